@@ -1,0 +1,121 @@
+"""kvtransfer: one-sided KV block transfers between worker processes (DESIGN.md §5).
+
+A decode worker registers its KV pool with :func:`create_receiver` and hands out
+``receiver.descriptor.to_bytes()``; a prefill worker opens it with :func:`create_sender` and
+calls ``write`` (per layer, asynchronous) and ``notify``. Backends: ``shm`` (same host, /dev/shm
+pool), ``tcp`` (ZeroMQ frames), ``cuda-ipc`` (same host GPUs), ``fake`` (in-process) and
+``auto``. This package imports only numpy, torch, zmq and msgpack.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .descriptor import CudaIpcHandle, RegionDescriptor, local_host_id
+from .fake import FakeFabric, FakeSender
+from .layout import KVLayout, LayoutMismatchError
+from .messages import MessageError, NotifyPayload
+from .receiver import Receiver, ReceiverCore
+from .region import create_shm_pool, map_shm_pool, remove_shm_pool
+from .sender import Sender, SenderClosed, TransferCancelled, ZmqSender
+from .server import CurveKeys, ZmqServer
+from .tracker import TransferResult, TransferStatus
+
+BACKENDS = ("auto", "shm", "tcp", "cuda-ipc", "fake")
+
+__all__ = [
+    "BACKENDS", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
+    "MessageError", "NotifyPayload", "Receiver", "RegionDescriptor", "Sender", "SenderClosed",
+    "TransferCancelled", "TransferResult", "TransferStatus", "create_receiver", "create_sender",
+    "create_shm_pool", "map_shm_pool", "remove_shm_pool", "select_backend",
+]
+
+
+def create_receiver(pool: torch.Tensor, layout: KVLayout, backend: str = "auto", *,
+                    shm_path: str | None = None, host: str = "127.0.0.1",
+                    lease_s: float = 30.0, curve: CurveKeys | None = None,
+                    allowed_clients: list[bytes] | None = None,
+                    fabric: FakeFabric | None = None) -> Receiver:
+    """Register ``pool`` (shape ``layout.pool_shape(num_blocks)``) for incoming writes.
+
+    ``host`` is the address the ZeroMQ socket binds (a port is picked at random); ``lease_s``
+    is the default lease of expected requests; ``curve`` turns on CurveZMQ encryption and
+    ``allowed_clients`` (Z85 public keys) restricts who may connect.
+    """
+    transports = _receiver_transports(pool, backend, shm_path)
+    if backend == "fake":
+        if fabric is None:
+            raise ValueError("backend='fake' needs a FakeFabric (fabric=...)")
+        core = ReceiverCore(pool, layout, transports)
+        region_id, transport = fabric.register(core)
+        address = f"fake://{region_id}"
+    else:
+        core = ReceiverCore(pool, layout, transports)
+        transport = ZmqServer(core, host, curve, allowed_clients)
+        address, region_id = transport.address, os.urandom(8).hex()
+    cuda = None
+    if "cuda-ipc" in transports:
+        from .cuda_ipc import export_cuda_pool
+        cuda = export_cuda_pool(pool)
+    descriptor = RegionDescriptor(
+        layout, core.num_blocks, transports, address, local_host_id(), region_id,
+        shm_path if "shm" in transports else None, cuda,
+        curve.public if curve is not None and backend != "fake" else None)
+    return Receiver(core, descriptor, transport, default_lease_s=lease_s)
+
+
+def _receiver_transports(pool: torch.Tensor, backend: str, shm_path: str | None) -> tuple[str, ...]:
+    on_cuda = pool.device.type == "cuda"
+    if backend == "auto":
+        if on_cuda:
+            return ("cuda-ipc", "tcp")
+        return ("shm", "tcp") if shm_path else ("tcp",)
+    if backend == "shm" and (on_cuda or not shm_path):
+        raise ValueError("backend='shm' needs a CPU pool mapped from /dev/shm and its shm_path")
+    if backend == "cuda-ipc" and not on_cuda:
+        raise ValueError("backend='cuda-ipc' needs a CUDA pool")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    return (backend,)
+
+
+def select_backend(descriptor: RegionDescriptor, src_pool: torch.Tensor) -> str:
+    """``auto``: shm / cuda-ipc when the receiver is on this host, tcp otherwise."""
+    offered = descriptor.transports
+    same_host = descriptor.host_id == local_host_id()
+    if same_host and "cuda-ipc" in offered and src_pool.device.type == "cuda":
+        return "cuda-ipc"
+    if (same_host and "shm" in offered and src_pool.device.type == "cpu"
+            and descriptor.shm_path and os.path.exists(descriptor.shm_path)):
+        return "shm"
+    if "tcp" in offered:
+        return "tcp"
+    raise ValueError(f"no usable transport among {offered} from this host")
+
+
+def create_sender(descriptor: RegionDescriptor | bytes, src_pool: torch.Tensor,
+                  layout: KVLayout, backend: str = "auto", *, curve: CurveKeys | None = None,
+                  heartbeat_s: float = 1.0, fabric: FakeFabric | None = None) -> Sender:
+    """Open a receiver's region for writes from ``src_pool``.
+
+    Raises :class:`LayoutMismatchError` when ``layout`` differs from the receiver's.
+    ``heartbeat_s`` must be well under the receiver's lease.
+    """
+    if isinstance(descriptor, (bytes, bytearray)):
+        descriptor = RegionDescriptor.from_bytes(bytes(descriptor))
+    if backend == "auto":
+        backend = select_backend(descriptor, src_pool)
+    if backend == "fake":
+        if fabric is None:
+            raise ValueError("backend='fake' needs the receiver's FakeFabric (fabric=...)")
+        return FakeSender(descriptor, src_pool, layout, fabric)
+    if backend == "shm":
+        from .shm import ShmWriter as writer
+    elif backend == "tcp":
+        from .tcp import TcpWriter as writer
+    elif backend == "cuda-ipc":
+        from .cuda_ipc import CudaIpcWriter as writer
+    else:
+        raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
+    return ZmqSender(descriptor, src_pool, layout, backend, writer, curve, heartbeat_s)

@@ -1,0 +1,102 @@
+"""tcp backend: KV blocks as raw ZeroMQ frames to a receiver on any host (sender process).
+
+One message per write: a msgpack ``WritePayload`` header, then one frame per (layer, K|V)
+holding the blocks in destination order. Frames are sent zero-copy (``copy=False``): straight
+from the pool when the source blocks are one consecutive run, otherwise from a staging buffer
+that is reused only after ZeroMQ reports it has finished with it. The receiver validates the
+header and every frame size before scattering the frames into its pool (``ReceiverCore``).
+SNDHWM/RCVHWM bound the queues, so a slow receiver pushes back on the sender.
+"""
+from __future__ import annotations
+
+import torch
+
+from .blockcopy import runs
+from .layout import flat_bytes
+from .messages import WritePayload, encode
+from .sender import Sender, SendFn
+
+STAGING_SLOTS = 4
+
+
+class StagingRing:
+    """Reusable gather buffers; a slot whose bytes zmq may still read is replaced, not reused."""
+
+    def __init__(self, slots: int = STAGING_SLOTS) -> None:
+        self._bufs: list[torch.Tensor | None] = [None] * slots
+        self._trackers: list[object | None] = [None] * slots
+        self._next = 0
+
+    def acquire(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        slot = self._next
+        self._next = (slot + 1) % len(self._bufs)
+        tracker = self._trackers[slot]
+        buf = self._bufs[slot]
+        if tracker is not None and not tracker.done:
+            buf = None  # zmq still holds it; the frame keeps it alive, we take a fresh one
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._bufs[slot] = buf
+        self._trackers[slot] = None
+        return buf[:nbytes], slot
+
+    def track(self, slot: int, tracker: object) -> None:
+        self._trackers[slot] = tracker
+
+
+class TcpWriter:
+    def __init__(self, sender: Sender) -> None:
+        if "tcp" not in sender.descriptor.transports:
+            raise ValueError("receiver does not offer the tcp transport")
+        self._layout = sender.layout
+        self._src_pool = sender.src_pool
+        self._src_flat = flat_bytes(sender.src_pool)
+        self._src_np = self._src_flat.numpy() if sender.src_pool.device.type == "cpu" else None
+        self._src_num_blocks = sender.src_num_blocks
+        self._staging = StagingRing()
+
+    def capture(self) -> object:
+        if self._src_pool.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()  # the caller's stream: bytes of this layer are ready once it fires
+        return event
+
+    def write(self, send: SendFn, ctx: object, request_id: str, layers: tuple[int, ...],
+              src_block_ids: tuple[int, ...], dst_block_ids: tuple[int, ...]) -> None:
+        header = encode(WritePayload(request_id, layers, dst_block_ids))
+        lo = self._layout
+        frame_nbytes = len(src_block_ids) * lo.block_nbytes
+        src_runs = runs(src_block_ids)
+        if self._src_np is not None and len(src_runs) <= 1:
+            first = src_block_ids[0] if src_block_ids else 0
+            frames = [header]
+            for layer in layers:
+                for kv in (0, 1):
+                    off = lo.offset(layer, kv, first, self._src_num_blocks)
+                    frames.append(self._src_np[off:off + frame_nbytes])
+            send(frames, copy=False)
+            return
+        buf, slot = self._staging.acquire(2 * len(layers) * frame_nbytes)
+        self._gather(ctx, buf, layers, src_block_ids)
+        buf_np = buf.numpy()
+        frames = [header] + [buf_np[i * frame_nbytes:(i + 1) * frame_nbytes]
+                             for i in range(2 * len(layers))]
+        self._staging.track(slot, send(frames, copy=False, track=True))
+
+    def _gather(self, ctx: object, buf: torch.Tensor, layers: tuple[int, ...],
+                src_block_ids: tuple[int, ...]) -> None:
+        lo = self._layout
+        src4 = self._src_flat.view(lo.num_layers, 2, self._src_num_blocks, lo.block_nbytes)
+        out = buf.view(len(layers), 2, len(src_block_ids), lo.block_nbytes)
+        idx = torch.tensor(src_block_ids, dtype=torch.int64, device=src4.device)
+        if ctx is not None:
+            ctx.synchronize()  # CUDA source: wait for the layer's compute before reading
+        for i, layer in enumerate(layers):
+            if src4.device.type == "cpu":
+                torch.index_select(src4[layer], 1, idx, out=out[i])
+            else:
+                out[i].copy_(src4[layer].index_select(1, idx))  # device → host
+
+    def close(self) -> None:
+        self._staging = StagingRing()
