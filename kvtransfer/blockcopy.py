@@ -2,11 +2,14 @@
 
 Consecutive (src, dst) pairs are merged into runs so a request of contiguous blocks costs one
 slice copy per (layer, K|V); badly fragmented requests switch to one gather/scatter per layer.
+CPU copies go through numpy (a plain single-threaded memcpy): on a loaded 2-core host torch's
+parallel copy stalls on its thread barrier and its spinning workers slow the ZeroMQ threads.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from .layout import KVLayout
@@ -44,6 +47,10 @@ def copy_blocks(layout: KVLayout, src_flat: torch.Tensor, src_num_blocks: int,
     """Copy blocks of ``layers`` (K and V) between two flat uint8 pool views."""
     bn = layout.block_nbytes
     pairs = pair_runs(src_block_ids, dst_block_ids)
+    if src_flat.device.type == "cpu" and dst_flat.device.type == "cpu":
+        _copy_blocks_numpy(layout, src_flat.numpy(), src_num_blocks, dst_flat.numpy(),
+                           dst_num_blocks, layers, pairs, src_block_ids, dst_block_ids)
+        return
     if len(pairs) <= MAX_SLICE_RUNS:
         for layer in layers:
             for kv in (0, 1):
@@ -60,3 +67,24 @@ def copy_blocks(layout: KVLayout, src_flat: torch.Tensor, src_num_blocks: int,
     for layer in layers:
         rows = src4[layer].index_select(1, src_idx)
         dst4[layer].index_copy_(1, dst_idx, rows.to(dst_flat.device, non_blocking=non_blocking))
+
+
+def _copy_blocks_numpy(layout: KVLayout, src: np.ndarray, src_num_blocks: int, dst: np.ndarray,
+                       dst_num_blocks: int, layers: Sequence[int],
+                       pairs: list[tuple[int, int, int]], src_block_ids: Sequence[int],
+                       dst_block_ids: Sequence[int]) -> None:
+    bn = layout.block_nbytes
+    if len(pairs) <= MAX_SLICE_RUNS:
+        for layer in layers:
+            for kv in (0, 1):
+                for s, d, count in pairs:
+                    so = layout.offset(layer, kv, s, src_num_blocks)
+                    do = layout.offset(layer, kv, d, dst_num_blocks)
+                    dst[do:do + count * bn] = src[so:so + count * bn]
+        return
+    src4 = src.reshape(layout.num_layers, 2, src_num_blocks, bn)
+    dst4 = dst.reshape(layout.num_layers, 2, dst_num_blocks, bn)
+    src_idx = np.asarray(src_block_ids, dtype=np.int64)
+    dst_idx = np.asarray(dst_block_ids, dtype=np.int64)
+    for layer in layers:
+        dst4[layer][:, dst_idx] = src4[layer][:, src_idx]

@@ -180,7 +180,10 @@ def _float(value: object, name: str) -> float:
 def _ids(value: object, max_len: int, name: str) -> tuple[int, ...]:
     if not isinstance(value, list) or len(value) > max_len:
         raise MessageError("bad_field", name)
-    ids = tuple(_int(v, name) for v in value)
+    if not all(type(v) is int for v in value) or (value and not (
+            0 <= min(value) and max(value) <= INT64_MAX)):  # bool is not an int here
+        raise MessageError("bad_field", name)
+    ids = tuple(value)
     if len(set(ids)) != len(ids):
         raise MessageError("bad_field", f"duplicate {name}")
     return ids

@@ -42,6 +42,7 @@ class ReceiverCore:
         self.table = RequestTable(self.num_blocks, layout.num_layers,
                                   one_sided=bool(ONE_SIDED & set(self.transports)), clock=clock)
         self.counters: collections.Counter[str] = collections.Counter()
+        self._runs_cache: dict[tuple[int, ...], list[tuple[int, int, int]]] = {}
 
     def handle(self, peer: bytes, frames: Sequence) -> list[Reply]:
         """Apply one multipart message from ``peer``; never raises on bad input."""
@@ -74,7 +75,7 @@ class ReceiverCore:
                 raise MessageError("frame_count", f"{len(frames) - 1} payload frames for "
                                    f"{len(msg.layers)} layers")
             nbytes = len(msg.dst_block_ids) * self.layout.block_nbytes
-            if any(len(_buffer(f)) != nbytes for f in frames[1:]):
+            if any(len(f) != nbytes for f in frames[1:]):
                 raise MessageError("frame_size", f"expected {nbytes} bytes per frame")
         elif len(frames) != 1:
             raise MessageError("frame_count", "control message with extra frames")
@@ -103,7 +104,10 @@ class ReceiverCore:
         # Frame i*2+kv holds the blocks of layer msg.layers[i] in dst order; copy each run of
         # consecutive dst ids as one slice.
         bn = self.layout.block_nbytes
-        dst_runs = runs(msg.dst_block_ids)
+        dst_runs = self._runs_cache.get(msg.dst_block_ids)
+        if dst_runs is None:
+            dst_runs = runs(msg.dst_block_ids)
+            self._runs_cache = {msg.dst_block_ids: dst_runs}  # a request's layers share ids
         for i, layer in enumerate(msg.layers):
             for kv in (0, 1):
                 src = np.frombuffer(_buffer(payload_frames[2 * i + kv]), dtype=np.uint8)

@@ -1,7 +1,7 @@
 """tcp backend: KV blocks as raw ZeroMQ frames to a receiver on any host (sender process).
 
-One message per write: a msgpack ``WritePayload`` header, then one frame per (layer, K|V)
-holding the blocks in destination order. Frames are sent zero-copy (``copy=False``): straight
+A write goes out as messages of a few layers each (about ``MESSAGE_NBYTES``): a msgpack
+``WritePayload`` header, then one frame per (layer, K|V) holding the blocks in dst order. Frames are sent zero-copy (``copy=False``): straight
 from the pool when the source blocks are one consecutive run, otherwise from a staging buffer
 that is reused only after ZeroMQ reports it has finished with it. The receiver validates the
 header and every frame size before scattering the frames into its pool (``ReceiverCore``).
@@ -9,6 +9,7 @@ SNDHWM/RCVHWM bound the queues, so a slow receiver pushes back on the sender.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .blockcopy import runs
@@ -17,6 +18,8 @@ from .messages import WritePayload, encode
 from .sender import Sender, SendFn
 
 STAGING_SLOTS = 4
+MESSAGE_NBYTES = 4 << 20  # group layers into messages of about this size: fewer headers to
+                          # decode, still small enough that the receiver overlaps copy and recv
 
 
 class StagingRing:
@@ -64,39 +67,48 @@ class TcpWriter:
 
     def write(self, send: SendFn, ctx: object, request_id: str, layers: tuple[int, ...],
               src_block_ids: tuple[int, ...], dst_block_ids: tuple[int, ...]) -> None:
-        header = encode(WritePayload(request_id, layers, dst_block_ids))
+        # Several messages per write: the receiver scatters one while the next is on the wire.
+        contiguous = self._src_np is not None and len(runs(src_block_ids)) <= 1
+        layer_nbytes = 2 * len(src_block_ids) * self._layout.block_nbytes
+        per_message = max(1, MESSAGE_NBYTES // max(1, layer_nbytes))
+        for i in range(0, len(layers), per_message):
+            group = layers[i:i + per_message]
+            header = encode(WritePayload(request_id, group, dst_block_ids))
+            if contiguous:
+                send([header, *(v for layer in group for v in self._views(layer, src_block_ids))],
+                     copy=False)
+            else:
+                self._send_staged(send, ctx, header, group, src_block_ids)
+
+    def _views(self, layer: int, src_block_ids: tuple[int, ...]) -> list:
         lo = self._layout
-        frame_nbytes = len(src_block_ids) * lo.block_nbytes
-        src_runs = runs(src_block_ids)
-        if self._src_np is not None and len(src_runs) <= 1:
-            first = src_block_ids[0] if src_block_ids else 0
-            frames = [header]
-            for layer in layers:
-                for kv in (0, 1):
-                    off = lo.offset(layer, kv, first, self._src_num_blocks)
-                    frames.append(self._src_np[off:off + frame_nbytes])
-            send(frames, copy=False)
-            return
+        first = src_block_ids[0] if src_block_ids else 0
+        nbytes = len(src_block_ids) * lo.block_nbytes
+        offs = [lo.offset(layer, kv, first, self._src_num_blocks) for kv in (0, 1)]
+        return [self._src_np[off:off + nbytes] for off in offs]
+
+    def _send_staged(self, send: SendFn, ctx: object, header: bytes, layers: tuple[int, ...],
+                     src_block_ids: tuple[int, ...]) -> None:
+        frame_nbytes = len(src_block_ids) * self._layout.block_nbytes
         buf, slot = self._staging.acquire(2 * len(layers) * frame_nbytes)
-        self._gather(ctx, buf, layers, src_block_ids)
+        if ctx is not None:
+            ctx.synchronize()  # CUDA source: wait for the layer's compute before reading
+        for i, layer in enumerate(layers):
+            self._gather(buf[2 * i * frame_nbytes:2 * (i + 1) * frame_nbytes], layer, src_block_ids)
         buf_np = buf.numpy()
         frames = [header] + [buf_np[i * frame_nbytes:(i + 1) * frame_nbytes]
                              for i in range(2 * len(layers))]
         self._staging.track(slot, send(frames, copy=False, track=True))
 
-    def _gather(self, ctx: object, buf: torch.Tensor, layers: tuple[int, ...],
-                src_block_ids: tuple[int, ...]) -> None:
+    def _gather(self, buf: torch.Tensor, layer: int, src_block_ids: tuple[int, ...]) -> None:
         lo = self._layout
         src4 = self._src_flat.view(lo.num_layers, 2, self._src_num_blocks, lo.block_nbytes)
-        out = buf.view(len(layers), 2, len(src_block_ids), lo.block_nbytes)
+        out = buf.view(2, len(src_block_ids), lo.block_nbytes)
         idx = torch.tensor(src_block_ids, dtype=torch.int64, device=src4.device)
-        if ctx is not None:
-            ctx.synchronize()  # CUDA source: wait for the layer's compute before reading
-        for i, layer in enumerate(layers):
-            if src4.device.type == "cpu":
-                torch.index_select(src4[layer], 1, idx, out=out[i])
-            else:
-                out[i].copy_(src4[layer].index_select(1, idx))  # device → host
+        if src4.device.type == "cpu":
+            np.take(src4[layer].numpy(), idx.numpy(), axis=1, out=out.numpy())
+        else:
+            out.copy_(src4[layer].index_select(1, idx))  # device → host
 
     def close(self) -> None:
         self._staging = StagingRing()

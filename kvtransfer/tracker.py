@@ -158,18 +158,22 @@ class RequestTable:
         """Validate a write fully before any byte of it is copied."""
         req = self._active(peer, request_id)
         num_layers = req.landed.shape[0]
-        if any(layer >= num_layers for layer in layers) or not layers:
+        if not layers or max(layers) >= num_layers:
             raise MessageError("layer_out_of_range", f"request_id={request_id} has {num_layers}")
-        if any(b >= self._num_blocks for b in dst_block_ids):
+        if dst_block_ids and max(dst_block_ids) >= self._num_blocks:
             raise MessageError("out_of_range_block", f"request_id={request_id}")
-        if any(b not in req.column for b in dst_block_ids):
+        if not req.column.keys() >= set(dst_block_ids):
             raise MessageError("block_not_in_request", f"request_id={request_id}")
         return req
 
     def mark_landed(self, peer: bytes, req: _Request, layers: Sequence[int],
                     dst_block_ids: Sequence[int]) -> None:
-        cols = [req.column[b] for b in dst_block_ids]
-        req.landed[np.ix_(list(layers), cols)] = True
+        rows = np.asarray(layers, dtype=np.int64)[:, None]
+        if tuple(dst_block_ids) == req.dst_block_ids:
+            req.landed[rows, :] = True  # the common case: the whole request's blocks
+        else:
+            cols = np.fromiter(map(req.column.__getitem__, dst_block_ids), np.int64)
+            req.landed[rows, cols[None, :]] = True
         self._touch(req, peer)
         self._maybe_done(req)
 
