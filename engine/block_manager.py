@@ -175,7 +175,17 @@ class BlockAllocator:
         """
         if not self.enable_prefix_caching:
             return []
+        hit_block_ids = self._lookup(token_ids, extra_key)
+        self.touch(hit_block_ids)
         self.num_prefix_queries_tokens += len(token_ids)
+        self.num_prefix_hit_tokens += len(hit_block_ids) * self.block_size
+        return hit_block_ids
+
+    def peek_prefix_blocks(self, token_ids: Sequence[int], extra_key: bytes | None = None) -> int:
+        """How many blocks ``match_prefix`` would hit, without touching or counting anything."""
+        return len(self._lookup(token_ids, extra_key)) if self.enable_prefix_caching else 0
+
+    def _lookup(self, token_ids: Sequence[int], extra_key: bytes | None) -> list[int]:
         max_blocks = max(len(token_ids) - 1, 0) // self.block_size
         hit_block_ids: list[int] = []
         parent_hash: bytes | None = None
@@ -186,8 +196,6 @@ class BlockAllocator:
             if block_id is None or self._blocks[block_id].token_ids != block_tokens:
                 break
             hit_block_ids.append(block_id)
-        self.touch(hit_block_ids)
-        self.num_prefix_hit_tokens += len(hit_block_ids) * self.block_size
         return hit_block_ids
 
     def cache_full_blocks(

@@ -1,0 +1,98 @@
+"""The paged KV pool: one tensor holding K and V for every layer, block and slot.
+
+Runs in each worker process. Layout ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]`` (index 0 of dim 1 = K, 1 = V), so one (layer, K|V, block) is a contiguous run of
+bytes that kvtransfer can copy or send as is. On CPU the pool can live in a file under
+/dev/shm mapped shared, so a prefill worker on the same host writes into it directly.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SHM_DIR = Path("/dev/shm")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of K (or V) in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block id costs across all layers, K and V."""
+        return 2 * self.num_layers * self.block_nbytes
+
+
+class KVPool:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
+                 shared_memory: bool = False) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
+                 layout.head_dim)
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        self.shm_path: Path | None = None
+        if shared_memory and device.type == "cpu":
+            self.shm_path = SHM_DIR / f"tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            nbytes = numel * layout.dtype.itemsize
+            try:
+                with open(self.shm_path, "wb") as handle:
+                    handle.truncate(nbytes)
+                storage = torch.from_file(str(self.shm_path), shared=True, size=numel, dtype=layout.dtype)
+            except OSError as exc:
+                self.shm_path.unlink(missing_ok=True)
+                raise RuntimeError(f"cannot map a {nbytes / 2**30:.2f} GiB KV pool in {SHM_DIR}: {exc}; "
+                                   "lower --kv-cache-memory or enlarge /dev/shm") from exc
+            self.tensor = storage.view(shape)
+        else:
+            self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def layer_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer (K, V) views ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return [(self.tensor[layer, 0], self.tensor[layer, 1]) for layer in range(self.layout.num_layers)]
+
+    def close(self) -> None:
+        """Unlink the shared-memory file; mappings already open stay valid until dropped."""
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
+            self.shm_path = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def capacity_lines(num_blocks: int, block_size: int, max_model_len: int) -> tuple[str, str]:
+    """The two startup lines operators grep for (DESIGN.md §4)."""
+    num_tokens = num_blocks * block_size
+    blocks_per_request = -(-max_model_len // block_size)
+    concurrency = num_blocks // blocks_per_request
+    return (f"num_blocks_global: {num_blocks}",
+            f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens; "
+            f"~{concurrency} concurrent requests at {max_model_len} tokens/request")

@@ -1,0 +1,98 @@
+"""In-process `LLM` API: ``LLM(model).generate(prompts, SamplingParams)``.
+
+Runs in the caller's process and thread. It is the colocated twin of the disaggregated system:
+the same engine loop (chunked prefill + continuous-batched decode) with no processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import DEFAULT_MODEL, CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.llm_engine import LLMEngine
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+                "text": self.text, "finish_reason": self.finish_reason}
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict, dict, dict]:
+    groups: tuple[dict, dict, dict] = ({}, {}, {})
+    for key, value in kwargs.items():
+        for group, cls in zip(groups, (ModelConfig, CacheConfig, SchedulerConfig)):
+            if key in cls.__dataclass_fields__:
+                group[key] = value
+                break
+        else:
+            raise TypeError(f"LLM() got an unknown option {key!r}")
+    return groups
+
+
+class LLM:
+    """Offline generation. Keyword options are fields of ModelConfig, CacheConfig and
+    SchedulerConfig (e.g. ``dtype``, ``block_size``, ``max_num_seqs``)."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        model_kw, cache_kw, sched_kw = _split_kwargs(kwargs)
+        self.engine = LLMEngine(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw),
+                                SchedulerConfig(**sched_kw))
+        self.tokenizer = self.engine.tokenizer
+        self._next_id = 0
+
+    def generate(self, prompts: str | list[str] | list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        return self._run(token_lists, sampling_params)
+
+    def chat(self, conversations: list[list[dict[str, str]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        token_lists = [self.tokenizer.encode_chat(messages) for messages in conversations]
+        return self._run(token_lists, sampling_params)
+
+    def _run(self, token_lists: list[list[int]],
+             sampling_params: SamplingParams | list[SamplingParams] | None) -> list[RequestOutput]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(token_lists)
+        if len(params) != len(token_lists):
+            raise ValueError(f"{len(params)} sampling params for {len(token_lists)} prompts")
+        results: dict[str, RequestOutput] = {}
+        added: list[str] = []
+        try:
+            for tokens, p in zip(token_lists, params):
+                request_id = f"llm-{self._next_id}"
+                self._next_id += 1
+                self.engine.add_request(request_id, tokens, p)
+                added.append(request_id)
+                results[request_id] = RequestOutput(request_id, list(tokens),
+                                                    logprobs=[] if p.logprobs is not None else None)
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    result = results[out.request_id]
+                    result.token_ids += out.new_token_ids
+                    if result.logprobs is not None:
+                        result.logprobs += out.new_logprobs
+                    if out.finished:
+                        result.finish_reason = out.finish_reason
+        except BaseException:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        for result in results.values():
+            result.text = self.tokenizer.decode(result.token_ids)
+        return [results[r] for r in added]
+
+    def close(self) -> None:
+        self.engine.close()

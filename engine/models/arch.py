@@ -1,0 +1,163 @@
+"""Architecture hyper-parameters of a Llama-family model, read from HF config.json or GGUF.
+
+Runs wherever a model is loaded or planned (workers, `tandem plan`). Pure Python.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                           "Qwen3ForCausalLM")
+_GGUF_ARCHES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {self.architecture!r}; Tandem supports "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in _ROPE_TYPES:
+            raise ValueError(f"rope scaling type {rope_type!r} is not supported; use one of {_ROPE_TYPES}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        if self.attention_bias:
+            attn += hd * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * hd
+        layer = attn + 3 * d * f + 2 * d
+        emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * layer + emb + d
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers >= 5 writes rope_parameters; older configs have rope_theta + rope_scaling.
+    params = cfg.get("rope_parameters") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k != "rope_theta"}
+    if scaling:
+        scaling = dict(scaling)
+        scaling["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+        if scaling["rope_type"] == "default":
+            scaling = None
+    return theta, scaling or None
+
+
+def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError("config.json has no 'architectures' entry; Tandem supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch!r}; Tandem supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    theta, scaling = _rope_from_hf(cfg)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        rope_scaling=scaling,
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
+
+
+def load_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: an HF model directory needs config.json")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def arch_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> ArchConfig:
+    gguf_arch = meta.get("general.architecture")
+    if gguf_arch not in _GGUF_ARCHES:
+        raise ValueError(f"unsupported GGUF architecture {gguf_arch!r}; Tandem supports "
+                         f"{', '.join(sorted(_GGUF_ARCHES))} ({', '.join(SUPPORTED_ARCHITECTURES)})")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{gguf_arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"GGUF metadata lacks {gguf_arch}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    num_heads = int(get("attention.head_count"))
+    scaling = None
+    scaling_type = meta.get(f"{gguf_arch}.rope.scaling.type")
+    if scaling_type == "linear":
+        scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    vocab = meta.get(f"{gguf_arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ArchConfig(
+        architecture=_GGUF_ARCHES[gguf_arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        head_dim=int(meta.get(f"{gguf_arch}.attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(get("context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        rope_scaling=scaling,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )

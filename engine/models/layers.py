@@ -1,0 +1,80 @@
+"""Building blocks of Llama-family models: RMSNorm, rotary embedding, gated MLP.
+
+Runs inside a worker's engine thread. Each module is a few lines; weights are plain
+parameters filled by the loader.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
+    inv_freq = 1.0 / theta ** exponents
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif rope_type == "llama3":
+        # Llama 3.1: leave high frequencies, divide low ones by `factor`, blend in between.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        inv_freq = torch.where(wavelen > old_len / low, inv_freq / factor,
+                               torch.where(wavelen < old_len / high, inv_freq, blended))
+    return inv_freq
+
+
+class RotaryEmbedding:
+    """Rotate-half (NeoX/HF) rotary embedding with a precomputed float32 cos/sin table.
+
+    A plain object, not a module: the table is built on ``device`` directly, so models can be
+    constructed on the meta device and still get a real table.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: dict[str, Any] | None, device: torch.device,
+                 freq_factors: torch.Tensor | None = None) -> None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        if freq_factors is not None:
+            inv_freq = inv_freq / freq_factors.double()
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv_freq)
+        self.cos = angles.cos().float().to(device)
+        self.sin = angles.sin().float().to(device)
+
+    def __call__(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: ``[num_tokens, num_heads, head_dim]``."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

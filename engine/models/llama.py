@@ -1,0 +1,165 @@
+"""Llama-family decoder (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) over a paged KV cache.
+
+Runs inside a worker's engine thread. One forward takes a flattened batch of tokens (prefill
+chunks first, then decode tokens) with explicit positions and attention metadata. Q/K/V and
+gate/up weights are fused at load time (``load_weights``), not at call sites.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from engine.attention.metadata import AttentionMetadata
+from engine.models.arch import ArchConfig
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+# HF parameter name suffix -> (fused parameter, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: ModuleType) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = cfg.head_dim ** -0.5
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        num_prefill = meta.num_prefill_tokens
+        if num_prefill == num_tokens:
+            out = self._prefill(q, k_cache, v_cache, meta)
+        elif num_prefill == 0:
+            out = self._decode(q, k_cache, v_cache, meta)
+        else:
+            out = torch.cat([self._prefill(q[:num_prefill], k_cache, v_cache, meta),
+                             self._decode(q[num_prefill:], k_cache, v_cache, meta)])
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+    def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                              meta.query_start_loc_host, meta.prefill_seq_lens_host,
+                                              self.scale)
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        return self.backend.decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                             meta.decode_seq_lens, meta.max_decode_seq_len, self.scale)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: ModuleType) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, backend: ModuleType, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in float32 whatever the model dtype: bf16 logits flip near-tied greedy picks."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                     device: torch.device) -> None:
+        """Install HF-named tensors as this module's parameters, fusing q/k/v and gate/up.
+
+        Each parameter takes its storage from the checkpoint (cast and moved once), so no
+        second copy of the weights is ever allocated; every parameter must be covered.
+        """
+        params = dict(self.named_parameters())
+        shards: dict[str, dict[int | None, torch.Tensor]] = {}
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: a checkpoint may still carry a copy
+            target, shard = name, None
+            for hf_name, (fused, index) in _STACKED.items():
+                if f".{hf_name}." in name:
+                    target, shard = name.replace(hf_name, fused), index
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            shards.setdefault(target, {})[shard] = tensor
+        for target, param in params.items():
+            expected = self._shard_ids(target)
+            got = shards.get(target, {})
+            missing = [s for s in expected if s not in got]
+            if missing:
+                raise ValueError(f"checkpoint lacks {target} (shard {missing[0]})")
+            value = got[None] if expected == [None] else torch.cat([got[s] for s in expected])
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"checkpoint tensor for {target} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(param.shape)}")
+            module_name, _, param_name = target.rpartition(".")
+            module = self.get_submodule(module_name)
+            module._parameters[param_name] = nn.Parameter(value.to(device=device, dtype=dtype),
+                                                          requires_grad=False)
+
+    def _shard_ids(self, param_name: str) -> list[int | None]:
+        if ".qkv_proj." in param_name:
+            return [0, 1, 2]
+        if ".gate_up_proj." in param_name:
+            return [0, 1]
+        return [None]
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Llama with biases on q/k/v (``ArchConfig.attention_bias``)."""
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Llama with RMSNorm on each head's q and k before rotary (``ArchConfig.qk_norm``)."""
+
+
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
