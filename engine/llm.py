@@ -44,9 +44,19 @@ class LLM:
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
         model_kw, cache_kw, sched_kw = _split_kwargs(kwargs)
-        self.engine = LLMEngine(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw),
-                                SchedulerConfig(**sched_kw))
-        self.tokenizer = self.engine.tokenizer
+        self._start(LLMEngine(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw),
+                              SchedulerConfig(**sched_kw)))
+
+    @classmethod
+    def from_configs(cls, model_config: ModelConfig, cache_config: CacheConfig,
+                     scheduler_config: SchedulerConfig) -> LLM:
+        llm = cls.__new__(cls)
+        llm._start(LLMEngine(model_config, cache_config, scheduler_config))
+        return llm
+
+    def _start(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self._next_id = 0
 
     def generate(self, prompts: str | list[str] | list[list[int]],

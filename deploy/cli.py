@@ -1,0 +1,106 @@
+"""The `tandem` command line (runs in the user's shell process).
+
+Subcommands:
+  generate   run the in-process engine on prompts and print the completions
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from engine.cli_args import add_config_args, config_from_args
+from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def _generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate completions in-process (colocated engine)",
+                       description="Generate completions with the in-process engine.")
+    prompts = p.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", action="append", help="prompt text (repeat for several)")
+    prompts.add_argument("--prompt-file", type=Path, help="file with one prompt per line")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt as one user message with the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                   help="return the sampled token's logprob and the top K (0-20)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+    p.add_argument("--log-level", default="INFO")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, CacheConfig)
+    add_config_args(p, SchedulerConfig)
+    p.set_defaults(func=_cmd_generate)
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        lines = args.prompt_file.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read --prompt-file {args.prompt_file}: {exc}") from exc
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise ValueError(f"--prompt-file {args.prompt_file} holds no prompts")
+    return prompts
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM  # torch is imported only by commands that need it
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            logprobs=args.logprobs)
+    prompts = _read_prompts(args)
+    llm = LLM.from_configs(config_from_args(ModelConfig, args), config_from_args(CacheConfig, args),
+                           config_from_args(SchedulerConfig, args))
+    try:
+        if args.chat:
+            outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        else:
+            outputs = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    for out in outputs:
+        if args.json:
+            record = out.to_json()
+            if out.logprobs is not None:
+                record["logprobs"] = [{str(t): lp for t, lp in step.items()} for step in out.logprobs]
+            print(json.dumps(record, ensure_ascii=False), flush=True)
+        else:
+            print(out.text, flush=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"tandem {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

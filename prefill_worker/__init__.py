@@ -1,0 +1,4 @@
+"""Prefill worker role: scheduler + engine + gRPC servicer + kvtransfer sender.
+
+Placeholder until the worker issue lands.
+"""

