@@ -44,7 +44,8 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_
         mask = heads < num_kv_heads
         src = token.to(tl.int64)
         key = tl.load(key_ptr + src * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
-        value = tl.load(value_ptr + src * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+        value = tl.load(value_ptr + src * stride_vt + heads * stride_vh + dims * stride_vd,
+                        mask=mask)
         k_dst = block_id * stride_kcb + offset * stride_kcs + heads * stride_kch + dims * stride_kcd
         v_dst = block_id * stride_vcb + offset * stride_vcs + heads * stride_vch + dims * stride_vcd
         tl.store(k_cache_ptr + k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -81,7 +82,8 @@ def _load_kv_tile(cache_ptr, block_table_ptr, positions, mask, kv_head,
     else:
         block_ids = tl.load(block_table_ptr + positions // BLOCK_SIZE)
     # position p is at offset p % block_size of block block_table[p // block_size]
-    rows = block_ids.to(tl.int64) * stride_b + (positions % BLOCK_SIZE) * stride_s + kv_head * stride_h
+    rows = (block_ids.to(tl.int64) * stride_b + (positions % BLOCK_SIZE) * stride_s
+            + kv_head * stride_h)
     ptrs = cache_ptr + rows[:, None] + tl.arange(0, HEAD_DIM)[None, :] * stride_d
     if MASKED:
         # other=0 keeps garbage (even NaN) in unused slots out of the P @ V product
@@ -155,8 +157,8 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr,
         row_mask = rows < q_len
         dims = tl.arange(0, HEAD_DIM)
         tokens = (q_start + rows).to(tl.int64)
-        q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :] * stride_qd,
-                    mask=row_mask[:, None], other=0.0)
+        q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh
+                    + dims[None, :] * stride_qd, mask=row_mask[:, None], other=0.0)
         q_pos = context_len + rows
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -191,8 +193,9 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr,
             acc, l_i, m_i = _online_softmax_step(qk, v.to(q.dtype), acc, l_i, m_i, DOT_PRECISION)
 
         out = acc / l_i[:, None]
-        tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+        tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh
+                 + dims[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None])
 
 
 def _prefill_tiles(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -237,7 +240,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query, k_cache, v_cache, out, block_tables,
         _as_device_int32(query_start_loc, query.device), _as_device_int32(seq_lens, query.device),
         scale * _LOG2E, num_heads // num_kv_heads,
-        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=_dot_precision(query.dtype), num_warps=num_warps, num_stages=2,
     )
@@ -370,7 +374,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, partial_out, partial_lse, block_tables, seq_lens,
         scale * _LOG2E, num_queries_per_kv, split_len,
-        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(), block_tables.stride(0),
+        *query.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
+        block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)), BLOCK_N=block_n,
         SPLIT_K=num_splits > 1, DOT_PRECISION=_dot_precision(query.dtype),
