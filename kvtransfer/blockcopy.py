@@ -45,12 +45,21 @@ def copy_blocks(layout: KVLayout, src_flat: torch.Tensor, src_num_blocks: int,
                 src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
                 non_blocking: bool = False) -> None:
     """Copy blocks of ``layers`` (K and V) between two flat uint8 pool views."""
-    bn = layout.block_nbytes
     pairs = pair_runs(src_block_ids, dst_block_ids)
     if src_flat.device.type == "cpu" and dst_flat.device.type == "cpu":
-        _copy_blocks_numpy(layout, src_flat.numpy(), src_num_blocks, dst_flat.numpy(),
+        copy_blocks_numpy(layout, src_flat.numpy(), src_num_blocks, dst_flat.numpy(),
                            dst_num_blocks, layers, pairs, src_block_ids, dst_block_ids)
         return
+    copy_blocks_torch(layout, src_flat, src_num_blocks, dst_flat, dst_num_blocks, layers, pairs,
+                      src_block_ids, dst_block_ids, non_blocking)
+
+
+def copy_blocks_torch(layout: KVLayout, src_flat: torch.Tensor, src_num_blocks: int,
+                      dst_flat: torch.Tensor, dst_num_blocks: int, layers: Sequence[int],
+                      pairs: list[tuple[int, int, int]], src_block_ids: Sequence[int],
+                      dst_block_ids: Sequence[int], non_blocking: bool = False) -> None:
+    """Torch path, for CUDA pools (works on any device)."""
+    bn = layout.block_nbytes
     if len(pairs) <= MAX_SLICE_RUNS:
         for layer in layers:
             for kv in (0, 1):
@@ -69,7 +78,7 @@ def copy_blocks(layout: KVLayout, src_flat: torch.Tensor, src_num_blocks: int,
         dst4[layer].index_copy_(1, dst_idx, rows.to(dst_flat.device, non_blocking=non_blocking))
 
 
-def _copy_blocks_numpy(layout: KVLayout, src: np.ndarray, src_num_blocks: int, dst: np.ndarray,
+def copy_blocks_numpy(layout: KVLayout, src: np.ndarray, src_num_blocks: int, dst: np.ndarray,
                        dst_num_blocks: int, layers: Sequence[int],
                        pairs: list[tuple[int, int, int]], src_block_ids: Sequence[int],
                        dst_block_ids: Sequence[int]) -> None:
