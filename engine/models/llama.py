@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 
 # HF parameter name suffix -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -22,7 +22,7 @@ _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qk
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: ModuleType) -> None:
+    def __init__(self, cfg: ArchConfig, backend: ModuleType) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
@@ -31,15 +31,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -47,7 +46,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_prefill = meta.num_prefill_tokens
@@ -71,15 +70,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, backend: ModuleType) -> None:
+    def __init__(self, cfg: ArchConfig, backend: ModuleType) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, positions, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
+    def forward(self, rope, x, kv_cache, meta) -> torch.Tensor:
+        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -87,8 +86,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ArchConfig, backend: ModuleType, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.config = cfg
+        self.rotary = rotary  # one table shared by every layer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -96,8 +96,9 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
+            x = layer(rope, x, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
