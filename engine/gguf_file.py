@@ -1,26 +1,26 @@
-"""A fast GGUF header reader: metadata and tensor locations, tensors as memory-mapped bytes.
+"""A fast GGUF reader: metadata as Python values, tensors as memory-mapped bytes.
 
 Runs wherever a GGUF model or its tokenizer is opened (workers, router, `tandem plan`).
-numpy only, no torch. ``gguf.GGUFReader`` builds a numpy view per array element, which takes
-seconds for a 49k-token vocabulary; this reads the same header in tens of milliseconds and
-leaves dequantization to ``gguf.quants``.
+The header is parsed with the standard library only (the router's tokenizer needs no numpy
+or torch); tensors are located lazily with numpy and dequantized with ``gguf.quants``.
+``gguf.GGUFReader`` builds a numpy view per array element, which takes seconds for a 49k-token
+vocabulary; this reads the same header in tens of milliseconds.
 """
 from __future__ import annotations
 
+import array
+import mmap
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 _MAGIC = b"GGUF"
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
-            11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-_NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-          6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_MAX_STRING_NBYTES = 1 << 24
+_STRING, _ARRAY, _BOOL = 8, 9, 7
+# value type -> array typecode; all GGUF scalars are little-endian.
+_TYPECODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _MAX_ARRAY_LEN = 1 << 26
 
 
@@ -29,102 +29,118 @@ class GGUFTensor:
     name: str
     shape: tuple[int, ...]      # numpy order: (rows, cols) for a matrix
     tensor_type: int            # gguf.GGMLQuantizationType value
-    data: np.ndarray            # uint8 [..., bytes per row], memory-mapped
+    data: Any                   # numpy uint8 [..., bytes per row], memory-mapped
+
+
+class _HeaderReader:
+    """Parses the key/value and tensor-info sections of a GGUF file from a byte buffer."""
+
+    def __init__(self, buf: Any) -> None:
+        self._buf = buf
+        self.pos = 0
+
+    def _take(self, nbytes: int) -> bytes:
+        end = self.pos + nbytes
+        if end > len(self._buf):
+            raise ValueError("truncated header")
+        data = bytes(self._buf[self.pos:end])
+        self.pos = end
+        return data
+
+    def u32(self) -> int:
+        return _U32.unpack(self._take(4))[0]
+
+    def u64(self) -> int:
+        return _U64.unpack(self._take(8))[0]
+
+    def string(self) -> str:
+        return self._take(self.u64()).decode("utf-8")
+
+    def value(self, value_type: int) -> Any:
+        if value_type == _STRING:
+            return self.string()
+        if value_type == _ARRAY:
+            item_type, count = self.u32(), self.u64()
+            if count > _MAX_ARRAY_LEN:
+                raise ValueError(f"metadata array of {count} elements")
+            if item_type in _TYPECODES:
+                return self._numbers(item_type, count)
+            if item_type == _STRING:
+                return [self.string() for _ in range(count)]
+            return [self.value(item_type) for _ in range(count)]
+        if value_type in _TYPECODES:
+            return self._numbers(value_type, 1)[0]
+        raise ValueError(f"unknown metadata value type {value_type}")
+
+    def _numbers(self, value_type: int, count: int) -> list:
+        # One bulk copy per array: 49k token types cost microseconds, not a Python loop.
+        values = array.array(_TYPECODES[value_type])
+        values.frombytes(self._take(count * values.itemsize))
+        if sys.byteorder != "little":
+            values.byteswap()
+        if value_type == _BOOL:
+            return [bool(v) for v in values]
+        return values.tolist()
+
+    def metadata(self) -> tuple[dict[str, Any], int]:
+        """(key/value metadata, tensor count)."""
+        if self._take(4) != _MAGIC:
+            raise ValueError("not a GGUF file (bad magic)")
+        version = self.u32()
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
+        num_tensors, num_kv = self.u64(), self.u64()
+        meta = {}
+        for _ in range(num_kv):
+            key = self.string()
+            meta[key] = self.value(self.u32())
+        return meta, num_tensors
+
+    def tensor_infos(self, count: int) -> list[tuple[str, tuple[int, ...], int, int]]:
+        infos = []
+        for _ in range(count):
+            name = self.string()
+            dims = tuple(self.u64() for _ in range(self.u32()))
+            infos.append((name, dims, self.u32(), self.u64()))
+        return infos
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """All key/value metadata of the GGUF file at ``path`` (standard library only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            return _HeaderReader(buf).metadata()[0]
+    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
+        raise ValueError(f"{path} is not a valid GGUF file: {exc}") from exc
 
 
 class GGUFFile:
+    """A GGUF model file: ``metadata``, and ``tensors`` memory-mapped in place."""
+
     def __init__(self, path: str | Path) -> None:
+        import numpy as np
+
         self.path = Path(path)
         if not self.path.is_file():
-            raise FileNotFoundError(f"GGUF file {self.path} not found")
-        self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._view = memoryview(self._buf)
-        self._pos = 0
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
         try:
-            self.metadata, infos = self._read_header()
-            self.tensors = self._locate_tensors(infos)
-        except (struct.error, ValueError, IndexError, UnicodeDecodeError) as exc:
+            self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+            reader = _HeaderReader(memoryview(self._buf))
+            self.metadata, num_tensors = reader.metadata()
+            infos = reader.tensor_infos(num_tensors)
+            self.tensors = self._locate_tensors(infos, reader.pos)
+        except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
             raise ValueError(f"{self.path} is not a valid GGUF file: {exc}") from exc
 
-    # -- header ---------------------------------------------------------------------------
-    def _unpack(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        if self._pos + size > len(self._view):
-            raise ValueError("truncated header")
-        (value,) = struct.unpack_from(fmt, self._view, self._pos)
-        self._pos += size
-        return value
-
-    def _string(self) -> str:
-        n = self._unpack("<Q")
-        if n > _MAX_STRING_NBYTES or self._pos + n > len(self._view):
-            raise ValueError(f"string of {n} bytes runs past the file")
-        text = bytes(self._view[self._pos:self._pos + n]).decode("utf-8", errors="replace")
-        self._pos += n
-        return text
-
-    def _value(self, value_type: int) -> Any:
-        if value_type in _SCALARS:
-            return self._unpack(_SCALARS[value_type])
-        if value_type == _STRING:
-            return self._string()
-        if value_type != _ARRAY:
-            raise ValueError(f"unknown metadata value type {value_type}")
-        elem_type, count = self._unpack("<I"), self._unpack("<Q")
-        if count > _MAX_ARRAY_LEN:
-            raise ValueError(f"metadata array of {count} elements")
-        if elem_type in _NUMPY:
-            dtype = np.dtype(_NUMPY[elem_type]).newbyteorder("<")
-            end = self._pos + count * dtype.itemsize
-            if end > len(self._view):
-                raise ValueError("array runs past the file")
-            values = np.frombuffer(self._view[self._pos:end], dtype=dtype).tolist()
-            self._pos = end
-            return values
-        if elem_type == _STRING:
-            return self._string_array(count)
-        return [self._value(elem_type) for _ in range(count)]
-
-    def _string_array(self, count: int) -> list[str]:
-        # Tight loop: vocabularies hold ~10^5 strings.
-        view, pos, end = self._view, self._pos, len(self._view)
-        unpack = struct.Struct("<Q").unpack_from
-        out = []
-        for _ in range(count):
-            (n,) = unpack(view, pos)
-            pos += 8
-            if pos + n > end:
-                raise ValueError("string array runs past the file")
-            out.append(str(view[pos:pos + n], "utf-8", "replace"))
-            pos += n
-        self._pos = pos
-        return out
-
-    def _read_header(self) -> tuple[dict[str, Any], list[tuple[str, tuple[int, ...], int, int]]]:
-        if bytes(self._view[:4]) != _MAGIC:
-            raise ValueError("missing GGUF magic bytes")
-        self._pos = 4
-        version = self._unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"GGUF version {version} is not supported (2 or 3)")
-        num_tensors, num_kv = self._unpack("<Q"), self._unpack("<Q")
-        metadata: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = self._string()
-            metadata[key] = self._value(self._unpack("<I"))
-        infos = []
-        for _ in range(num_tensors):
-            name = self._string()
-            num_dims = self._unpack("<I")
-            dims = tuple(self._unpack("<Q") for _ in range(num_dims))
-            infos.append((name, dims, self._unpack("<I"), self._unpack("<Q")))
-        return metadata, infos
-
-    def _locate_tensors(self, infos) -> list[GGUFTensor]:
+    def _locate_tensors(self, infos, header_end: int) -> list[GGUFTensor]:
+        import numpy as np
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         alignment = int(self.metadata.get("general.alignment", 32))
-        data_start = -(-self._pos // alignment) * alignment
+        data_start = -(-header_end // alignment) * alignment
         tensors = []
         for name, dims, type_id, offset in infos:
             qtype = GGMLQuantizationType(type_id)
@@ -140,8 +156,9 @@ class GGUFFile:
             tensors.append(GGUFTensor(name, shape, type_id, data))
         return tensors
 
-    def dequantize(self, tensor: GGUFTensor) -> np.ndarray:
+    def dequantize(self, tensor: GGUFTensor) -> Any:
         """The tensor as float32 in its numpy shape."""
+        import numpy as np
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 

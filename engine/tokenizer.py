@@ -6,20 +6,14 @@ and by the workers (stop-token ids). Importing this module must not import torch
 
 Two sources are supported. A Hugging Face model directory carries a ``tokenizer.json`` that
 ``tokenizers`` loads as is. A GGUF file carries the vocabulary, merges and special ids as
-metadata, from which the same kind of ``tokenizers.Tokenizer`` is rebuilt, the way llama.cpp
-and transformers read it. The metadata is parsed by a small stdlib reader rather than
-``gguf.GGUFReader``, which also walks every tensor header and builds numpy views per token,
-taking seconds on a 49k-token vocabulary where this takes well under one.
+metadata (read by ``engine.gguf_file``, standard library only), from which the same kind of
+``tokenizers.Tokenizer`` is rebuilt, the way llama.cpp and transformers read it.
 """
 
 from __future__ import annotations
 
-import array
 import json
 import logging
-import mmap
-import struct
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -28,6 +22,8 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
+from engine.gguf_file import read_gguf_metadata
+
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
@@ -35,91 +31,6 @@ _REPLACEMENT_CHAR = "\ufffd"
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
-
-# ---------------------------------------------------------------------------------------------
-# GGUF metadata
-
-_GGUF_MAGIC = b"GGUF"
-_GGUF_STRING, _GGUF_ARRAY, _GGUF_BOOL = 8, 9, 7
-# value type -> array typecode; all GGUF scalars are little-endian.
-_GGUF_TYPECODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B",
-                   10: "Q", 11: "q", 12: "d"}
-_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
-
-
-class _GgufMetadataReader:
-    """Reads the key/value section of a GGUF file (the tensor section is never touched)."""
-
-    def __init__(self, buf: mmap.mmap) -> None:
-        self._buf = buf
-        self._offset = 0
-
-    def read_all(self) -> dict[str, object]:
-        if self._take(4) != _GGUF_MAGIC:
-            raise ValueError("not a GGUF file (bad magic)")
-        version = self._u32()
-        if version not in (2, 3):
-            raise ValueError(f"unsupported GGUF version {version} (2 and 3 are supported)")
-        self._u64()  # tensor count
-        num_kv = self._u64()
-        metadata: dict[str, object] = {}
-        for _ in range(num_kv):
-            key = self._str()
-            metadata[key] = self._value(self._u32())
-        return metadata
-
-    def _take(self, nbytes: int) -> bytes:
-        end = self._offset + nbytes
-        if end > len(self._buf):
-            raise ValueError("truncated metadata")
-        data = self._buf[self._offset:end]
-        self._offset = end
-        return data
-
-    def _u32(self) -> int:
-        return _U32.unpack(self._take(4))[0]
-
-    def _u64(self) -> int:
-        return _U64.unpack(self._take(8))[0]
-
-    def _str(self) -> str:
-        return self._take(self._u64()).decode("utf-8")
-
-    def _value(self, value_type: int) -> object:
-        if value_type == _GGUF_STRING:
-            return self._str()
-        if value_type == _GGUF_ARRAY:
-            item_type, count = self._u32(), self._u64()
-            if item_type in _GGUF_TYPECODES:
-                return self._numbers(item_type, count)
-            return [self._value(item_type) for _ in range(count)]
-        if value_type in _GGUF_TYPECODES:
-            (value,) = self._numbers(value_type, 1)
-            return value
-        raise ValueError(f"unknown metadata value type {value_type}")
-
-    def _numbers(self, value_type: int, count: int) -> list:
-        # One bulk copy per array: 49k token types cost microseconds, not a Python loop.
-        values = array.array(_GGUF_TYPECODES[value_type])
-        values.frombytes(self._take(count * values.itemsize))
-        if sys.byteorder != "little":
-            values.byteswap()
-        if value_type == _GGUF_BOOL:
-            return [bool(v) for v in values]
-        return values.tolist()
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, object]:
-    """All key/value metadata of the GGUF file at ``path``, as Python values."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _GgufMetadataReader(buf).read_all()
-    except (ValueError, struct.error, UnicodeDecodeError, OverflowError, MemoryError) as exc:
-        raise ValueError(f"{path} is not a readable GGUF file: {exc}") from exc
-
 
 # ---------------------------------------------------------------------------------------------
 # Building a tokenizers.Tokenizer from GGUF metadata

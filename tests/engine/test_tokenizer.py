@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer, read_gguf_metadata
+from engine.gguf_file import read_gguf_metadata
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -160,12 +161,12 @@ def test_broken_gguf_files_give_clear_errors(tmp_path, gguf_path):
         Tokenizer.from_gguf(missing)
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(b"not a gguf file at all")
-    with pytest.raises(ValueError, match=r"garbage.gguf is not a readable GGUF file: not a GGUF file"):
+    with pytest.raises(ValueError, match=r"garbage.gguf is not a valid GGUF file: not a GGUF file"):
         Tokenizer.from_gguf(garbage)
     truncated = tmp_path / "truncated.gguf"
     with open(gguf_path, "rb") as f:
         truncated.write_bytes(f.read(100_000))  # cut inside the token list
-    with pytest.raises(ValueError, match=r"truncated.gguf is not a readable GGUF file: truncated metadata"):
+    with pytest.raises(ValueError, match=r"truncated.gguf is not a valid GGUF file: truncated header"):
         Tokenizer.from_gguf(truncated)
 
 
