@@ -1,0 +1,67 @@
+"""House rules a machine can check: import direction (DESIGN.md §2) and no pickle (§5)."""
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy")
+# package -> top-level modules it must never import
+BANNED = {
+    "engine": {"router", "prefill_worker", "decode_worker", "deploy", "kvtransfer"},
+    "kvtransfer": {"engine", "router", "prefill_worker", "decode_worker", "deploy"},
+    "prefill_worker": {"decode_worker", "router", "deploy"},
+    "decode_worker": {"prefill_worker", "router", "deploy"},
+    "router": {"prefill_worker", "decode_worker", "torch", "triton", "deploy"},
+    "protos": {"engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "deploy", "torch"},
+}
+PICKLE = re.compile(r"\b(pickle|cPickle|cloudpickle|dill)\b|recv_pyobj|send_pyobj")
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def test_imports_point_one_way():
+    wrong = []
+    for package, banned in BANNED.items():
+        for path in (ROOT / package).rglob("*.py"):
+            for lineno, module in _imports(path):
+                if package == "router" and module.startswith("engine") and module != "engine.tokenizer":
+                    wrong.append(f"{path.relative_to(ROOT)}:{lineno} imports {module} (router may use engine.tokenizer only)")
+                elif module.split(".")[0] in banned:
+                    wrong.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
+    assert not wrong, "imports against DESIGN.md §2:\n" + "\n".join(wrong)
+
+
+def test_import_checker_catches_a_wrong_arrow(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import router.client\nfrom decode_worker import x\n")
+    assert [m for _, m in _imports(bad)] == ["router.client", "decode_worker"]
+
+
+def test_no_pickle_in_the_product():
+    hits = []
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                if PICKLE.search(line):
+                    hits.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
+    assert not hits, "pickle-family use (DESIGN.md §5 forbids it):\n" + "\n".join(hits)
+
+
+def test_engine_package_and_tokenizer_import_without_torch():
+    code = ("import sys, engine, engine.config, engine.tokenizer, engine.block_manager; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
