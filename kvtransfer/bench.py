@@ -45,8 +45,8 @@ def _iters(num_tokens: int, base: int) -> int:
 class _Memcpy:
     """In-process copy of one request's bytes: one contiguous memcpy (numpy)."""
 
-    def __init__(self) -> None:
-        nbytes = _request_nbytes(max(TOKENS))
+    def __init__(self, max_tokens: int) -> None:
+        nbytes = _request_nbytes(max_tokens)
         self._src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy()
         self._dst = np.ones(nbytes, dtype=np.uint8)  # ones: pages faulted in
 
@@ -82,13 +82,13 @@ class _Child:
 class _Backend:
     """A receiver here, its sender in a child process; one request = all layers + notify."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, max_tokens: int) -> None:
         self.name = backend
-        self._pool, self._path = create_shm_pool(LAYOUT, _blocks(max(TOKENS)))
+        self._pool, self._path = create_shm_pool(LAYOUT, _blocks(max_tokens))
         self._pool.view(torch.uint8).fill_(1)  # fault the pages in before timing
         self._receiver = create_receiver(self._pool, LAYOUT, backend, shm_path=self._path,
                                          lease_s=60.0)
-        self._child = _Child("sender", backend)
+        self._child = _Child("sender", backend, str(_blocks(max_tokens)))
         self._child.send(self._receiver.descriptor.to_bytes().hex())
         self._child.expect("ready")
 
@@ -114,12 +114,12 @@ class _Backend:
 class _ZmqRaw:
     """Plain PUSH/PULL of the same frames the tcp backend sends: per layer, K and V."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_tokens: int) -> None:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         port = self._sock.bind_to_random_port("tcp://127.0.0.1")
-        self._child = _Child("zmq-raw", f"tcp://127.0.0.1:{port}")
+        self._child = _Child("zmq-raw", f"tcp://127.0.0.1:{port}", str(_request_nbytes(max_tokens)))
         self._child.expect("ready")
 
     def once(self, num_tokens: int, i: int) -> float:
@@ -140,15 +140,16 @@ class _ZmqRaw:
         self._ctx.term()
 
 
-def bench_side_by_side(base_iters: int) -> dict[str, dict[int, list[float]]]:
+def bench_side_by_side(tokens: list[int], base_iters: int) -> dict[str, dict[int, list[float]]]:
     """Interleave the four measurements per iteration so machine load hits them alike."""
-    runners = {"memcpy": _Memcpy()}
+    max_tokens = max(tokens)
+    runners: dict = {"memcpy": _Memcpy(max_tokens)}
     try:
-        runners["shm"] = _Backend("shm")
-        runners["zmq_raw"] = _ZmqRaw()
-        runners["tcp"] = _Backend("tcp")
+        runners["shm"] = _Backend("shm", max_tokens)
+        runners["zmq_raw"] = _ZmqRaw(max_tokens)
+        runners["tcp"] = _Backend("tcp", max_tokens)
         times: dict[str, dict[int, list[float]]] = {k: {} for k in runners}
-        for num_tokens in TOKENS:
+        for num_tokens in tokens:
             for i in range(_iters(num_tokens, base_iters) + 2):
                 for name, runner in runners.items():
                     elapsed = runner.once(num_tokens, i)
@@ -160,8 +161,8 @@ def bench_side_by_side(base_iters: int) -> dict[str, dict[int, list[float]]]:
             runner.close()
 
 
-def bench_fake_latency(iters: int) -> list[float]:
-    n = _blocks(1024)
+def bench_fake_latency(num_tokens: int, iters: int) -> list[float]:
+    n = _blocks(num_tokens)
     fabric = FakeFabric()
     dst = torch.zeros(LAYOUT.pool_shape(n), dtype=LAYOUT.torch_dtype)
     src = torch.ones(LAYOUT.pool_shape(n), dtype=LAYOUT.torch_dtype)
@@ -186,8 +187,8 @@ def bench_fake_latency(iters: int) -> list[float]:
 def run_child(argv: list[str]) -> None:
     kind = argv[0]
     if kind == "sender":
+        num_blocks = int(argv[2])
         descriptor = bytes.fromhex(sys.stdin.readline().strip())
-        num_blocks = _blocks(max(TOKENS))
         src = torch.randint(-100, 100, LAYOUT.pool_shape(num_blocks)).to(LAYOUT.torch_dtype)
         sender = create_sender(descriptor, src, LAYOUT, argv[1])
         print("ready", flush=True)
@@ -205,7 +206,7 @@ def run_child(argv: list[str]) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(argv[1])
-    buf = torch.randint(0, 256, (_request_nbytes(max(TOKENS)),), dtype=torch.uint8).numpy()
+    buf = torch.randint(0, 256, (int(argv[2]),), dtype=torch.uint8).numpy()
     print("ready", flush=True)
     for line in sys.stdin:
         words = line.split()
@@ -224,6 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kvtransfer.bench", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print one JSON object last")
     parser.add_argument("--iters", type=int, default=20, help="timed 1k-token requests per backend")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS),
+                        help="request sizes in tokens; the first is used for request_latency_ms")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -231,19 +234,21 @@ def main(argv: list[str] | None = None) -> None:
         return
     lat = {}
     med = statistics.median
-    gbps = bench_side_by_side(args.iters)
-    lat["fake"] = med(bench_fake_latency(args.iters)) * 1e3
+    tokens = args.tokens
+    gbps = bench_side_by_side(tokens, args.iters)
+    lat["fake"] = med(bench_fake_latency(tokens[0], args.iters)) * 1e3
     result: dict[str, object] = {
         "layout": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16",
                    "block_size": 16},
-        "request_bytes": {str(t): _request_nbytes(t) for t in TOKENS},
+        "request_bytes": {str(t): _request_nbytes(t) for t in tokens},
+        "latency_tokens": tokens[0],
         "torch_threads": torch.get_num_threads(),
     }
     for name, by_tokens in gbps.items():
         result[f"{name}_gbps"] = {str(t): round(_request_nbytes(t) / med(ts) / 1e9, 3)
                                   for t, ts in by_tokens.items()}
         if name in ("shm", "tcp"):
-            lat[name] = med(by_tokens[1024]) * 1e3
+            lat[name] = med(by_tokens[tokens[0]]) * 1e3
     result["request_latency_ms"] = {k: round(v, 3) for k, v in lat.items()}
     result["ratio_shm_vs_memcpy"] = {t: round(result["shm_gbps"][t] / result["memcpy_gbps"][t], 3)
                                      for t in result["shm_gbps"]}

@@ -2,7 +2,7 @@
 
 The receiver exports its pool's storage with ``UntypedStorage._share_cuda_()``; the handle's
 bytes and ints travel in the descriptor (msgpack, no pickle). The sender opens it the way
-``torch.multiprocessing.reductions.rebuild_cuda_tensor`` does, copies blocks on its own
+torch's own ``rebuild_cuda_tensor`` (multiprocessing) does, copies blocks on its own
 stream after the caller's compute for that layer, synchronizes, then sends ``WriteDone``.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ from .server import CurveKeys
 
 logger = logging.getLogger(__name__)
 
-SNDHWM = 256
+SNDHWM = 16  # messages queued before write() ops wait: back-pressure from a slow receiver
 MAX_REMEMBERED_CANCELS = 1 << 16
 
 
@@ -201,11 +201,13 @@ class ZmqSender(Sender):
         self._wake()
         self._thread.join(timeout=10)
         with self._lock:
-            for fut, _ in self._ops:
-                fut.set_exception(SenderClosed("sender closed"))
+            dropped = list(self._ops)
             self._ops.clear()
             for s in (self._sock, self._wake_rx, self._wake_tx):
                 s.close(linger=0)
+        for fut, _ in dropped:  # outside the lock: done-callbacks take it
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(SenderClosed("sender closed"))
         self._writer.close()
         self._ctx.term()
 
@@ -247,11 +249,14 @@ class ZmqSender(Sender):
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()
-            self._recv_incoming()
-            self._run_ops()
-            if time.monotonic() >= next_beat:
-                self._heartbeat()
-                next_beat = time.monotonic() + self._heartbeat_s
+            try:
+                self._recv_incoming()
+                self._run_ops()
+                if time.monotonic() >= next_beat:
+                    self._heartbeat()
+                    next_beat = time.monotonic() + self._heartbeat_s
+            except SenderClosed:
+                return  # close() was called while a send waited for the receiver
 
     def _run_ops(self) -> None:
         while not self._stop.is_set():

@@ -24,7 +24,7 @@ from .receiver import ReceiverCore
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50            # lease-expiry granularity; the loop sleeps in poll, never spins
-RCVHWM = 256            # messages queued per sender before TCP back-pressure kicks in
+RCVHWM = 16            # messages (each <= ~4 MiB, see tcp.MESSAGE_NBYTES) queued per sender
 MAX_BATCH = 64          # messages handled per wake-up before checking for stop/outbox
 
 

@@ -14,6 +14,8 @@ from kvtransfer import (KVLayout, LayoutMismatchError, NotifyPayload, TransferCa
                         TransferStatus, create_sender)
 from tests.kvtransfer.conftest import (REPO_ROOT, SRC_BLOCKS, make_pair, random_pool, u8)
 
+pytestmark = pytest.mark.timeout(60)
+
 PAYLOAD = NotifyPayload(first_token_id=17, first_logprob=-0.5, top_logprobs=((17, -0.5), (3, -2.0)),
                         num_prompt_tokens=9, num_cached_tokens=4)
 
