@@ -22,7 +22,6 @@ import torch
 import zmq
 
 from . import FakeFabric, KVLayout, NotifyPayload, create_receiver, create_sender
-from .layout import flat_bytes
 from .region import create_shm_pool, remove_shm_pool
 
 LAYOUT = KVLayout("bfloat16", block_size=16, num_layers=30, num_kv_heads=3, head_dim=64)
