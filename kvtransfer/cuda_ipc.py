@@ -1,7 +1,7 @@
 """cuda-ipc backend: one-sided writes into a same-host receiver's GPU pool (both processes).
 
 The receiver exports its pool's storage with ``UntypedStorage._share_cuda_()``; the handle's
-bytes and ints travel in the descriptor (msgpack, no pickle). The sender opens it the way
+bytes and ints travel in the descriptor (msgpack only, no Python object serialization). The sender opens it the way
 torch's own ``rebuild_cuda_tensor`` (multiprocessing) does, copies blocks on its own
 stream after the caller's compute for that layer, synchronizes, then sends ``WriteDone``.
 """

@@ -3,7 +3,7 @@
 Serialized as a msgpack array with bounded fields (it crosses the control plane), decoded
 only into :class:`RegionDescriptor`. It carries the layout, the pool's block count, which
 transports the receiver accepts, its ZeroMQ endpoint and, per transport, the shm path or the
-CUDA IPC handle fields. No pickle: the CUDA handle is sent as bytes and ints.
+CUDA IPC handle fields. No Python object serialization: the CUDA handle is sent as bytes and ints.
 """
 from __future__ import annotations
 
