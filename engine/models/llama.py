@@ -133,6 +133,9 @@ class LlamaForCausalLM(nn.Module):
             missing = [s for s in expected if s not in got]
             if missing:
                 raise ValueError(f"checkpoint lacks {target} (shard {missing[0]})")
+            shard_shapes = [tuple(got[s].shape) for s in expected]
+            if len({shape[1:] for shape in shard_shapes}) > 1:  # torch.cat would raise a RuntimeError
+                raise ValueError(f"checkpoint shards of {target} have mismatched shapes {shard_shapes}")
             value = got[None] if expected == [None] else torch.cat([got[s] for s in expected])
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(f"checkpoint tensor for {target} has shape {tuple(value.shape)}, "

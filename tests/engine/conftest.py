@@ -1,0 +1,206 @@
+"""Shared fixtures for the engine tests: tiny random-weight HF checkpoints and their references.
+
+``tiny_model_dir(name)`` builds (once per session) a 2-layer Hugging Face checkpoint of one of
+the supported architectures with transformers itself, saved as safetensors next to the SmolLM2
+tokenizer, so the same directory serves ``LLM(dir)`` and ``AutoModelForCausalLM``. Weights are
+drawn with a fixed seed and a large enough scale that logits spread over several units: greedy
+picks then never hinge on float rounding, and a wrong weight or rotary detail changes them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+VOCAB_SIZE = 49152  # SmolLM2's vocabulary, so the saved tokenizer fits every tiny model
+BLOCK_SIZE = 16
+
+_COMMON = {"vocab_size": VOCAB_SIZE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "max_position_embeddings": 256, "bos_token_id": 1, "eos_token_id": 2, "rms_norm_eps": 1e-6}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+# name -> (transformers config class, model class, config overrides)
+TINY_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
+                    {"tie_word_embeddings": True, "rope_scaling": LLAMA3_ROPE, "rope_theta": 10000.0}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"tie_word_embeddings": False, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),    # q/k/v bias
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),   # q/k norm
+}
+TINY_ARCHS = tuple(TINY_SPECS)
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    # HF init (std 0.02, zero biases, unit norms) gives near-uniform logits and would leave
+    # bias and norm loading untested; these scales keep every parameter visible in the output.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * noise)
+            elif name.endswith(".bias"):
+                param.copy_(0.5 * noise)
+            else:
+                param.copy_(0.2 * noise)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    from engine.loader import resolve_model
+
+    try:
+        return resolve_model(SMOLLM2).path
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    from engine.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_gguf)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A directory holding SmolLM2's tokenizer.json and tokenizer_config.json."""
+    root = tmp_path_factory.mktemp("smollm2-tokenizer")
+    smollm2_tokenizer.backend.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
+        "chat_template": smollm2_tokenizer.chat_template}))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, tokenizer_files) -> Callable[[str], Path]:
+    """``tiny_model_dir(name)`` -> an HF checkpoint directory of architecture ``name``."""
+    import transformers
+
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name not in built:
+            config_cls, model_cls, overrides = TINY_SPECS[name]
+            # deepcopy: transformers writes rope_theta into the rope_scaling dict it is given.
+            config = getattr(transformers, config_cls)(**copy.deepcopy({**_COMMON, **overrides}))
+            torch.manual_seed(0)
+            model = getattr(transformers, model_cls)(config)
+            _randomize(model, seed=sum(map(ord, name)))
+            path = tmp_path_factory.mktemp(f"tiny-{name}")
+            model.save_pretrained(path, safe_serialization=True)
+            for file in tokenizer_files.iterdir():
+                shutil.copy(file, path / file.name)
+            built[name] = path
+        return built[name]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_model(tiny_model_dir) -> Callable[[str], torch.nn.Module]:
+    """``hf_model(name)`` -> transformers' float32 model loaded from ``tiny_model_dir(name)``."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict[str, torch.nn.Module] = {}
+
+    def load(name: str) -> torch.nn.Module:
+        if name not in loaded:
+            loaded[name] = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(name), dtype=torch.float32).eval()
+        return loaded[name]
+
+    return load
+
+
+def hf_greedy(hf: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate``, never stopping at eos (like ``ignore_eos=True``)."""
+    ids = torch.tensor([prompt_token_ids])
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    new = out[0, len(prompt_token_ids):].tolist()
+    assert len(new) == max_new_tokens
+    return new
+
+
+def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """float32 logits ``[len(token_ids), vocab]`` of one full forward pass."""
+    with torch.inference_mode():
+        return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def random_prompt(seed: int, num_tokens: int) -> list[int]:
+    # Ids above the special tokens, so eos never appears in a prompt by accident.
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(100, VOCAB_SIZE, (num_tokens,), generator=gen).tolist()
+
+
+def full_prompt_logits(runner, allocator, token_ids: list[int]) -> torch.Tensor:
+    """Our logits for EVERY position of ``token_ids``: one hand-built prefill batch.
+
+    Blocks come from ``allocator`` and are given back afterwards, so the runner's pool may be
+    shared with a live engine.
+    """
+    from engine.config import SamplingParams
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+
+    seq = Sequence("full-logits", list(token_ids), SamplingParams())
+    seq.block_ids = allocator.allocate(-(-len(token_ids) // allocator.block_size))
+    try:
+        inputs = runner.prepare(ScheduledBatch(prefills=[(seq, len(token_ids))]))
+        with torch.inference_mode():
+            hidden = runner.model(inputs.input_ids, inputs.positions, runner.kv_caches, inputs.meta)
+            return runner.model.compute_logits(hidden)
+    finally:
+        allocator.free(seq.block_ids[::-1])
+
+
+def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((ours.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.fixture
+def make_llm() -> Iterator[Callable[..., Any]]:
+    """``make_llm(model_dir, **options)`` -> a CPU float32 ``LLM``, closed after the test."""
+    from engine.llm import LLM
+
+    made = []
+
+    def make(model: Path | str, **options: Any):
+        options = {"dtype": "float32", "device": "cpu", "num_gpu_blocks_override": 64, **options}
+        llm = LLM(str(model), **options)
+        made.append(llm)
+        return llm
+
+    yield make
+    for llm in made:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Run torch on one thread: tiny matmuls gain nothing from more, and on a shared 2-core
+    machine intra-op threads of concurrent test runs oversubscribe it several times over."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
