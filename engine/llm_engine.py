@@ -41,7 +41,11 @@ class LLMEngine:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig) -> None:
         self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size)
-        self.tokenizer = load_tokenizer(self.runner.source)
+        try:
+            self.tokenizer = load_tokenizer(self.runner.source)
+        except BaseException:
+            self.runner.close()  # do not leave the /dev/shm pool behind
+            raise
         self.max_model_len = self.runner.max_model_len
         self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.block_size,
                                         cache_config.enable_prefix_caching)

@@ -71,7 +71,7 @@ class ModelRunner:
         checkpoint = Checkpoint(resolve_model(model_config.model))
         self.source = checkpoint.source
         self.arch: ArchConfig = checkpoint.arch
-        self.max_model_len = model_config.max_model_len or self.arch.max_position_embeddings
+        self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.block_size = cache_config.block_size
         started = time.perf_counter()
         self.model = self._load_model(checkpoint, attention_backend(model_config, self.device))
@@ -91,6 +91,19 @@ class ModelRunner:
         self.kv_caches = self.kv_pool.layer_caches()
         for line in capacity_lines(num_blocks, self.block_size, self.max_model_len):
             logger.info(line)
+
+    def _max_model_len(self, asked: int | None) -> int:
+        window = self.arch.sliding_window
+        if window is None or (asked or self.arch.max_position_embeddings) <= window:
+            return asked or self.arch.max_position_embeddings
+        # Attention here is full-context; within the window that is exactly sliding-window
+        # attention, beyond it the outputs would silently differ from the model's.
+        if asked is not None:
+            raise ValueError(f"max_model_len={asked} exceeds the model's sliding_window={window}; "
+                             f"Tandem has no sliding-window attention yet: use --max-model-len {window} or less")
+        logger.warning("capping max_model_len at the model's sliding_window=%d (no sliding-window attention yet)",
+                       window)
+        return window
 
     @property
     def num_blocks(self) -> int:

@@ -32,6 +32,7 @@ class ArchConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     qk_norm: bool = False
+    sliding_window: int | None = None   # attention window; None = full causal attention
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -106,6 +107,9 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
         qk_norm=arch == "Qwen3ForCausalLM",
+        # Mistral always windows when the config names a window; Qwen only with use_sliding_window.
+        sliding_window=(cfg.get("sliding_window") if arch == "MistralForCausalLM" or cfg.get("use_sliding_window")
+                        else None),
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,

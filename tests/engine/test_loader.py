@@ -275,3 +275,17 @@ def test_kv_pool_smaller_than_max_model_len(tiny_model_dir, make_llm):
     assert "--num-gpu-blocks-override" in message and "--max-model-len" in message
     # Exactly one sequence's worth is enough.
     make_llm(tiny_model_dir("llama"), max_model_len=64, num_gpu_blocks_override=4, block_size=16)
+
+
+def test_sliding_window_caps_or_refuses_max_model_len(make_llm, model_copy, caplog):
+    # A Mistral checkpoint with a 16-token window: full attention is only right within it.
+    _edit_config(model_copy, architectures=["MistralForCausalLM"], sliding_window=16, max_position_embeddings=128)
+    with caplog.at_level("WARNING"):
+        llm = make_llm(model_copy)
+    assert llm.engine.max_model_len == 16
+    assert "capping max_model_len at the model's sliding_window=16" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len=64 exceeds the model's sliding_window=16"):
+        make_llm(model_copy, max_model_len=64)
+    # Qwen-style configs name a window but only use it with use_sliding_window.
+    _edit_config(model_copy, architectures=["Qwen2ForCausalLM"], use_sliding_window=False, attention_bias=False)
+    assert make_llm(model_copy).engine.max_model_len == 128
