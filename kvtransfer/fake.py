@@ -18,7 +18,7 @@ import torch
 from .blockcopy import copy_blocks
 from .descriptor import RegionDescriptor
 from .layout import KVLayout, flat_bytes
-from .messages import (Cancel, CancelAck, Message, MessageError, Notify, NotifyPayload, WriteDone,
+from .messages import (Cancel, CancelAck, Heartbeat, Message, MessageError, Notify, NotifyPayload, WriteDone,
                        decode, encode)
 from .receiver import ReceiverCore
 from .sender import Sender, SenderClosed, TransferCancelled
@@ -97,6 +97,9 @@ class FakeSender(Sender):
                         self.descriptor.num_blocks, layers_t, src, dst)
             self._deliver(WriteDone(request_id, layers_t, dst))
         return self._run(request_id, op)
+
+    def open(self, request_id: str) -> Future[None]:
+        return self._run(request_id, lambda: self._deliver(Heartbeat((request_id,))))
 
     def notify(self, request_id: str, payload: NotifyPayload) -> Future[None]:
         msg = Notify(request_id, payload)

@@ -54,6 +54,10 @@ class Sender(abc.ABC):
         self._cancelled: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     @abc.abstractmethod
+    def open(self, request_id: str) -> Future[None]:
+        """Keep ``request_id``'s lease alive from now on, before any write."""
+
+    @abc.abstractmethod
     def write(self, request_id: str, layers: Sequence[int], src_block_ids: Sequence[int],
               dst_block_ids: Sequence[int]) -> Future[None]:
         """Copy ``src_block_ids[i]`` → ``dst_block_ids[i]`` for each of ``layers`` (K and V).
@@ -168,6 +172,12 @@ class ZmqSender(Sender):
         def op() -> None:
             self._open[request_id] = None
             self._writer.write(self._send, ctx, request_id, layers_t, src, dst)
+        return self._submit(request_id, op)
+
+    def open(self, request_id: str) -> Future[None]:
+        """Start heartbeating ``request_id`` before its first write (it may queue for a while)."""
+        def op() -> None:
+            self._open[request_id] = None
         return self._submit(request_id, op)
 
     def notify(self, request_id: str, payload: NotifyPayload) -> Future[None]:

@@ -268,3 +268,20 @@ def test_sender_killed_mid_request(backend, layout):
             proc.kill()
             proc.wait(timeout=10)
         pair.close()
+
+
+
+def test_open_keeps_a_queued_request_alive_past_its_lease(pair):
+    """A sender that opens a request heartbeats it before any write (prefill queues)."""
+    if pair.backend == "fake":
+        pytest.skip("the in-process fake has no heartbeat thread; leases there are the caller's")
+    sender = pair.sender(heartbeat_s=0.1)
+    pair.receiver.expect("queued", [0, 1], lease_s=0.6)
+    sender.open("queued").result(timeout=5)
+    time.sleep(1.5)  # well past the lease: only heartbeats keep it alive
+    assert pair.receiver.status("queued") is TransferStatus.TRANSFERRING
+    sender.write("queued", range(3), [4, 5], [0, 1])
+    sender.notify("queued", PAYLOAD)
+    assert pair.receiver.wait("queued", timeout_s=10).status is TransferStatus.DONE
+    pair.land(range(3), [4, 5], [0, 1])
+    pair.assert_pool()
