@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockAllocator
 from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
 from engine.loader import ModelSource
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, SamplerOutput, SamplingRequest, make_generator
+from engine.sampler import Sampler, SamplerOutput, SamplingRequest, advance_generator, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 from engine.tokenizer import Tokenizer
@@ -38,8 +39,11 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
 
 class LLMEngine:
+    """Schedule, run, postprocess. ``keep_finished_blocks``: a finished request's blocks stay
+    referenced until ``release`` (a prefill worker ships them after the request ends)."""
+
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig) -> None:
+                 scheduler_config: SchedulerConfig, keep_finished_blocks: bool = False) -> None:
         self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size)
         try:
             self.tokenizer = load_tokenizer(self.runner.source)
@@ -53,6 +57,10 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | set(self.runner.arch.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
+        self.keep_finished_blocks = keep_finished_blocks
+        self.held: dict[str, Sequence] = {}   # finished, blocks not yet released
+        self.num_prompt_tokens_total = 0      # tokens computed by prefill chunks
+        self.num_generated_tokens_total = 0
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -72,22 +80,64 @@ class LLMEngine:
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      block_ids: list[int], first_token: int,
+                      first_logprobs: dict[int, float] | None = None) -> Sequence:
+        """Start decoding a request whose prompt KV already sits in ``block_ids`` (written by a
+        prefill worker) and whose first token was sampled there."""
+        if request_id in self.sequences:
+            raise ValueError(f"request_id={request_id!r} is already running")
+        seq = Sequence(request_id, list(prompt_token_ids), params, arrival_s=time.monotonic(),
+                       generator=make_generator(params.seed, self.runner.device))
+        if seq.generator is not None and not params.greedy:
+            # The prefill worker drew the first token from this seed: skip that draw so the
+            # rest of the stream matches a colocated run.
+            advance_generator(seq.generator, self.runner.arch.vocab_size)
+        seq.block_ids = list(block_ids)
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.output_token_ids.append(first_token)
+        if params.logprobs is not None and first_logprobs is not None:
+            seq.logprobs.append(first_logprobs)
+        self.scheduler.cache_computed_blocks(seq)
+        self.sequences[request_id] = seq
+        reason = self._finish_reason(seq, first_token)
+        if reason is not None:
+            self.sequences.pop(request_id)
+            seq.finish(reason)
+            self.scheduler.release(seq)
+        else:
+            self.scheduler.add_running(seq)
+        return seq
+
     def abort_request(self, request_id: str) -> bool:
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.scheduler.release(held)
+            return True
         seq = self.sequences.pop(request_id, None)
         if seq is None:
             return False
         self.scheduler.abort(request_id)
         return True
 
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished request kept by ``keep_finished_blocks``."""
+        seq = self.held.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.release(seq)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, after_layer: Callable[[int, ScheduledBatch], None] | None = None) -> list[StepOutput]:
+        """One schedule-run-postprocess round; ``after_layer(i, batch)`` runs once layer i's K/V
+        is cached (see LlamaForCausalLM.forward)."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        logits = self.runner.execute(batch)
+        hook = None if after_layer is None else (lambda i: after_layer(i, batch))
+        logits = self.runner.execute(batch, hook)
         sampling = self._sampling_seqs(batch)
         sampled = self.sampler(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids,
                                                         s.generator) for s in sampling])
@@ -101,11 +151,13 @@ class LLMEngine:
                      sampled: SamplerOutput) -> list[StepOutput]:
         for seq, num_new in batch.prefills:
             seq.num_computed_tokens += num_new
+            self.num_prompt_tokens_total += num_new
             self.scheduler.cache_computed_blocks(seq)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
             self.scheduler.cache_computed_blocks(seq)
         outputs = []
+        self.num_generated_tokens_total += len(sampling)
         for i, seq in enumerate(sampling):
             token = sampled.token_ids[i]
             seq.output_token_ids.append(token)
@@ -117,8 +169,10 @@ class LLMEngine:
                 out.new_logprobs.append(entry)
             reason = self._finish_reason(seq, token)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
+                self.scheduler.finish(seq, reason, keep_blocks=self.keep_finished_blocks)
                 self.sequences.pop(seq.request_id, None)
+                if self.keep_finished_blocks:
+                    self.held[seq.request_id] = seq
                 out.finished, out.finish_reason = True, reason
             outputs.append(out)
         return outputs

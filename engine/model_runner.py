@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -223,10 +224,10 @@ class ModelRunner:
                              tensor(sample_rows, torch.long))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+    def execute(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Run one step; float32 logits ``[num_sampling_seqs, vocab]`` in batch order."""
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)
         return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
 
     def close(self) -> None:

@@ -45,6 +45,11 @@ class SamplerOutput:
                                                          # [] for rows that did not ask
 
 
+def advance_generator(generator: torch.Generator, vocab_size: int) -> None:
+    """Consume exactly the random numbers one sampled row draws (see ``Sampler.__call__``)."""
+    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
     """The per-request generator for ``seed`` on ``device``; None when the request has no seed."""
     if seed is None:

@@ -67,10 +67,26 @@ class Scheduler:
                     return seq
         return None
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        """End ``seq``; with ``keep_blocks`` its blocks stay referenced until ``release``."""
         self.running.remove(seq)
-        self._release(seq)
+        if not keep_blocks:
+            self._release(seq)
         seq.finish(reason)
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks of a sequence that finished with ``keep_blocks``."""
+        self._release(seq)
+
+    def can_reserve(self, num_blocks: int, future_tokens: int) -> bool:
+        """Whether ``num_blocks`` fit beside what running requests are expected to generate."""
+        reserved = self._reserved_blocks() + int(future_tokens * self.new_token_ratio) // self.block_size
+        return num_blocks + reserved <= self.allocator.num_free_blocks
+
+    def add_running(self, seq: Sequence) -> None:
+        """Insert a sequence whose blocks and computed tokens were set up elsewhere."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     @property
     def has_unfinished(self) -> bool:

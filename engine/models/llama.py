@@ -6,7 +6,7 @@ gate/up weights are fused at load time (``load_weights``), not at call sites.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 
 import torch
@@ -93,12 +93,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
+                after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm.
+
+        ``after_layer(i)`` runs once layer i's K/V is in the cache: a prefill worker ships that
+        layer while the next one computes.
+        """
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(rope, x, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
