@@ -1,4 +1,5 @@
-"""Decode worker role: pre-allocation, continuous-batched decode, kvtransfer receiver.
+"""Decode worker role: reserves KV blocks, receives prompt KV, decodes in a continuous batch.
 
-Placeholder until the worker issue lands.
+``python -m decode_worker`` starts one: engine thread (DecodeLoop), gRPC servicer
+(DecodeWorker service), a kvtransfer receiver over its KV pool and a Prometheus /metrics port.
 """

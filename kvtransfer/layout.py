@@ -69,6 +69,18 @@ class KVLayout:
         """Bytes of one (layer, K|V, block) run."""
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
+    @classmethod
+    def of_pool(cls, pool: torch.Tensor, tp_rank: int = 0) -> KVLayout:
+        """The layout of a ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` pool."""
+        if pool.dim() != 6 or pool.shape[1] != 2:
+            raise ValueError(f"a KV pool is [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], "
+                             f"got {tuple(pool.shape)}")
+        names = {dtype: name for name, dtype in DTYPES.items()}
+        if pool.dtype not in names:
+            raise ValueError(f"KV pool dtype {pool.dtype} is not supported; use one of {sorted(DTYPES)}")
+        num_layers, _, _, block_size, num_kv_heads, head_dim = pool.shape
+        return cls(names[pool.dtype], block_size, num_layers, num_kv_heads, head_dim, tp_rank)
+
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 

@@ -1,4 +1,5 @@
-"""Prefill worker role: scheduler + engine + gRPC servicer + kvtransfer sender.
+"""Prefill worker role: computes prompts and pushes their KV into decode workers' pools.
 
-Placeholder until the worker issue lands.
+``python -m prefill_worker`` starts one: engine thread (PrefillLoop), gRPC servicer
+(PrefillWorker service), kvtransfer senders and a Prometheus /metrics port.
 """

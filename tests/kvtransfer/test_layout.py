@@ -63,3 +63,12 @@ def test_check_pool(layout):
         layout.check_pool(torch.zeros((3, 2, 4, 2, 8, 7), dtype=torch.bfloat16).permute(0, 1, 5, 2, 3, 4))
     with pytest.raises(ValueError, match="6 dims"):
         layout.check_pool(torch.zeros(10))
+
+
+def test_layout_of_pool_reads_the_pool_geometry():
+    pool = torch.zeros(3, 2, 5, 4, 2, 8, dtype=torch.bfloat16)
+    layout = KVLayout.of_pool(pool, tp_rank=1)
+    assert layout == KVLayout("bfloat16", 4, 3, 2, 8, 1)
+    assert layout.check_pool(pool) == 5
+    with pytest.raises(ValueError, match="a KV pool is"):
+        KVLayout.of_pool(torch.zeros(3, 5, 4, 2, 8))

@@ -1,0 +1,235 @@
+"""The decode role's engine thread: reserve blocks, receive KV, decode in a continuous batch.
+
+Runs on the decode worker's engine thread. A request waits in the pre-allocation queue until
+blocks for its prompt (plus one) fit beside the output room running requests are expected to
+need (SGLang's new_token_ratio, scaled by schedule_conservativeness). Then the blocks are
+announced to kvtransfer, the prefill worker is told the destination, and when every layer and
+the first token have landed the request joins the decode batch. Out of blocks mid-decode, the
+scheduler retracts the request with the least progress and recomputes it here later.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import kvtransfer
+from engine.config import SamplingParams
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.serving.config import WorkerConfig
+from engine.serving.loop import EngineLoop
+from engine.serving.metrics import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamEvent:
+    """What the engine thread hands a Generate stream: tokens, a finish, or an error."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None          # the request failed; the stream ends with UNAVAILABLE
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class DecodeJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_address: str
+    sink: Callable[[StreamEvent], None]       # called on the engine thread
+    arrival_s: float = field(default_factory=time.monotonic)
+    state: str = "preallocating"              # preallocating | transferring | running
+    block_ids: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    last_token_s: float | None = None
+    reserved_s: float | None = None
+
+
+class DecodeLoop(EngineLoop):
+    def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
+                 receiver: kvtransfer.Receiver,
+                 send_destination: Callable[[DecodeJob, bytes], None]) -> None:
+        super().__init__("decode-engine", config.log_interval_s)
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.receiver = receiver
+        self.descriptor = receiver.descriptor.to_bytes()
+        self.send_destination = send_destination   # schedules Prefill.SetDestination off-thread
+        self.jobs: dict[str, DecodeJob] = {}
+        self.prealloc: collections.deque[str] = collections.deque()
+        self.transferring: dict[str, DecodeJob] = {}
+        self.cancelled: dict[str, list[int]] = {}  # transfers cancelled mid-flight: blocks to free
+        self._gen_tokens_logged = 0
+        self._last_log_s = time.monotonic()
+        self._retractions_seen = 0
+        metrics.kv_blocks_total.set(engine.allocator.num_blocks)
+
+    # -- commands (engine thread) ----------------------------------------------------------
+    def add(self, job: DecodeJob) -> None:
+        if job.request_id in self.jobs:
+            raise KeyError(f"request_id={job.request_id!r} is already running here")
+        self.jobs[job.request_id] = job
+        self.prealloc.append(job.request_id)
+
+    def abort(self, request_id: str, event: StreamEvent | None = None) -> bool:
+        """Stop a request at any stage and free its blocks (at once, or for a transfer in
+        flight as soon as no writer can touch them); its stream gets ``event``."""
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return False
+        if job.state == "preallocating":
+            self.prealloc.remove(request_id)
+        elif job.state == "transferring":
+            del self.transferring[request_id]
+            self.receiver.cancel(request_id, "aborted at the decode worker")
+            self.cancelled[request_id] = job.block_ids  # freed once no writer can touch them
+        else:
+            self.engine.abort_request(request_id)
+        job.sink(event or StreamEvent(finish_reason="abort", num_prompt_tokens=len(job.prompt_token_ids),
+                                      num_output_tokens=job.num_output_tokens))
+        return True
+
+    def fail(self, request_id: str, reason: str) -> None:
+        """End a request with an error (e.g. its prefill worker refused the destination)."""
+        if self.abort(request_id, StreamEvent(error=reason)):
+            logger.warning("request failed request_id=%s: %s", request_id, reason)
+
+    # -- the loop ------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        self._admit()
+        self._poll_transfers()
+        busy = self.engine.has_unfinished()
+        if busy:
+            now = time.monotonic()
+            for out in self.engine.step():
+                self._emit(out, now)
+        self._update_gauges()
+        return busy
+
+    def idle_wait_s(self) -> float:
+        return 0.002 if self.transferring or self.cancelled else 0.05
+
+    def _admit(self) -> None:
+        block_size = self.engine.allocator.block_size
+        pending_future = sum(j.params.max_tokens for j in self.transferring.values())
+        while self.prealloc:
+            job = self.jobs[self.prealloc[0]]
+            num_blocks = -(-(len(job.prompt_token_ids) + 1) // block_size)
+            if not self.engine.scheduler.can_reserve(num_blocks, pending_future + job.params.max_tokens):
+                if self.engine.scheduler.running or self.transferring:
+                    break  # wait for running requests to finish
+                if num_blocks > self.engine.allocator.num_free_blocks:
+                    break
+            self.prealloc.popleft()
+            job.block_ids = self.engine.allocator.allocate(num_blocks)
+            self.receiver.expect(job.request_id, job.block_ids, self.engine.runner.arch.num_layers,
+                                 self.config.kv_lease_s)
+            job.state = "transferring"
+            job.reserved_s = time.monotonic()
+            self.transferring[job.request_id] = job
+            pending_future += job.params.max_tokens
+            self.send_destination(job, self.descriptor)
+
+    def _poll_transfers(self) -> None:
+        for request_id, job in list(self.transferring.items()):
+            result = self.receiver.result(request_id)
+            if result.status is kvtransfer.TransferStatus.DONE:
+                self.receiver.release(request_id)
+                del self.transferring[request_id]
+                self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.reserved_s)
+                self._start_decoding(job, result.payload)
+            elif result.status.terminal and result.blocks_freeable:
+                self.receiver.release(request_id)
+                del self.transferring[request_id]
+                self.engine.allocator.free(job.block_ids[::-1])
+                self.jobs.pop(request_id, None)
+                logger.warning("KV transfer failed request_id=%s: %s", request_id, result.reason)
+                job.sink(StreamEvent(error=f"KV transfer from the prefill worker failed: {result.reason}"))
+        for request_id, block_ids in list(self.cancelled.items()):
+            result = self.receiver.result(request_id)
+            if result.blocks_freeable:
+                self.receiver.release(request_id)
+                self.engine.allocator.free(block_ids[::-1])
+                del self.cancelled[request_id]
+
+    def _start_decoding(self, job: DecodeJob, payload: kvtransfer.NotifyPayload) -> None:
+        first_logprobs = None
+        if job.params.logprobs is not None and payload.first_logprob is not None:
+            first_logprobs = {payload.first_token_id: payload.first_logprob}
+            first_logprobs.update(dict(payload.top_logprobs))
+        seq = self.engine.add_prefilled(job.request_id, job.prompt_token_ids, job.params, job.block_ids,
+                                        payload.first_token_id, first_logprobs)
+        job.state = "running"
+        job.num_cached_tokens = payload.num_cached_tokens
+        now = time.monotonic()
+        self.metrics.ttft.observe(now - job.arrival_s)
+        out = StepOutput(job.request_id, [payload.first_token_id],
+                         [first_logprobs] if first_logprobs is not None else [],
+                         finished=seq.is_finished, finish_reason=seq.finish_reason)
+        self._emit(out, now)
+
+    def _emit(self, out: StepOutput, now: float) -> None:
+        job = self.jobs.get(out.request_id)
+        if job is None:
+            return
+        job.num_output_tokens += len(out.new_token_ids)
+        if job.last_token_s is not None:
+            self.metrics.itl.observe(now - job.last_token_s)
+        job.last_token_s = now
+        event = StreamEvent(out.new_token_ids, out.new_logprobs)
+        if out.finished:
+            del self.jobs[out.request_id]
+            event.finish_reason = out.finish_reason
+            event.num_prompt_tokens = len(job.prompt_token_ids)
+            event.num_output_tokens = job.num_output_tokens
+            event.num_cached_tokens = job.num_cached_tokens
+        job.sink(event)
+
+    # -- observability -------------------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        sched = self.engine.scheduler
+        self.metrics.running.set(len(sched.running))
+        self.metrics.waiting.set(len(sched.waiting))
+        self.metrics.preallocated.set(len(self.prealloc))
+        self.metrics.transferring.set(len(self.transferring))
+        self.metrics.kv_usage.set(self.engine.allocator.usage)
+        if sched.num_retracted_total > self._retractions_seen:
+            self.metrics.retractions.inc(sched.num_retracted_total - self._retractions_seen)
+            self._retractions_seen = sched.num_retracted_total
+
+    def stats(self) -> dict[str, float]:
+        alloc = self.engine.allocator
+        return {"role": "decode", "num_running": len(self.engine.scheduler.running),
+                "num_waiting": len(self.engine.scheduler.waiting), "num_preallocated": len(self.prealloc),
+                "num_transferring": len(self.transferring), "kv_blocks_used": alloc.num_used_blocks,
+                "kv_blocks_total": alloc.num_blocks, "gen_tokens_per_s": self._gen_rate(time.monotonic()),
+                "prefix_cache_queries": alloc.num_prefix_queries_tokens,
+                "prefix_cache_hits": alloc.num_prefix_hit_tokens,
+                "num_retractions": self.engine.scheduler.num_retracted_total}
+
+    def _gen_rate(self, now: float) -> float:
+        elapsed = max(now - self._last_log_s, 1e-6)
+        return (self.engine.num_generated_tokens_total - self._gen_tokens_logged) / elapsed
+
+    def log_stats(self, now: float) -> None:
+        generated = self.engine.num_generated_tokens_total - self._gen_tokens_logged
+        if generated:
+            self.metrics.generation_tokens.inc(generated)
+        running = self.engine.scheduler.running
+        if running or generated:
+            logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                        "gen throughput (token/s): %.2f, #queue-req: %d", len(running),
+                        sum(s.num_tokens for s in running), self.engine.allocator.usage, self._gen_rate(now),
+                        len(self.prealloc) + len(self.engine.scheduler.waiting))
+        self._gen_tokens_logged = self.engine.num_generated_tokens_total
+        self._last_log_s = now

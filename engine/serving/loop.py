@@ -1,0 +1,110 @@
+"""The engine thread of a worker: runs the role's step loop; other threads hand it commands.
+
+gRPC handlers (on the asyncio thread) never touch engine state: they ``call`` a function on
+this thread, which runs it between steps. Stoppable; ``stop`` joins the thread.
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
+
+
+class EngineLoop(abc.ABC):
+    def __init__(self, name: str, log_interval_s: float) -> None:
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._log_interval_s = log_interval_s
+        self._next_log = time.monotonic() + log_interval_s
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine thread before its next step."""
+        self._commands.put(fn)
+        self._wake.set()
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the engine thread and await its result (or exception) on asyncio."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def call() -> None:
+            try:
+                result = fn()
+            except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
+        self.call(call)
+        return await fut
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                while True:
+                    try:
+                        fn = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    fn()
+                busy = self.run_once()
+                now = time.monotonic()
+                if now >= self._next_log:
+                    self.log_stats(now)
+                    self._next_log = now + self._log_interval_s
+                if not busy:
+                    self._wake.wait(self.idle_wait_s())
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - surfaced through health and logs
+            self.error = exc
+            logger.exception("engine thread died")
+            self.on_crash(exc)
+
+    @abc.abstractmethod
+    def run_once(self) -> bool:
+        """One step of work; False when there was nothing to do."""
+
+    def idle_wait_s(self) -> float:
+        return 0.05
+
+    def log_stats(self, now: float) -> None:
+        """Called every ``log_interval_s`` on the engine thread."""
+
+    def on_crash(self, exc: BaseException) -> None:
+        """Called on the engine thread after an unexpected error ended the loop."""

@@ -1,0 +1,51 @@
+"""Prometheus metrics of one worker (vLLM-style names, ``tandem_`` prefix), own registry."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class WorkerMetrics:
+    def __init__(self, role: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"role": role}
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, ["role"], registry=self.registry).labels(**labels)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["role"], registry=self.registry).labels(**labels)
+
+        self.running = gauge("tandem_num_requests_running", "requests in the running batch")
+        self.waiting = gauge("tandem_num_requests_waiting", "requests queued for compute")
+        self.preallocated = gauge("tandem_num_requests_preallocated", "decode: requests waiting for KV blocks")
+        self.transferring = gauge("tandem_num_requests_transferring", "requests whose KV is in flight")
+        self.kv_usage = gauge("tandem_kv_cache_usage_ratio", "fraction of KV blocks in use")
+        self.kv_blocks_total = gauge("tandem_kv_cache_blocks_total", "KV blocks in the pool")
+        self.prompt_tokens = counter("tandem_prompt_tokens", "prompt tokens computed")
+        self.generation_tokens = counter("tandem_generation_tokens", "tokens generated")
+        self.prefix_queries = counter("tandem_prefix_cache_queries", "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("tandem_prefix_cache_hits", "prompt tokens found in the prefix cache")
+        self.retractions = counter("tandem_num_retractions", "decode requests retracted for lack of blocks")
+        self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes", "KV bytes shipped or received")
+        self.kv_transfer_seconds = Histogram(
+            "tandem_kv_transfer_seconds", "from destination known to transfer done", ["role"],
+            registry=self.registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        ).labels(**labels)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "request arrival to first token", ["role"],
+                              registry=self.registry,
+                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)).labels(**labels)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "time between streamed tokens", ["role"],
+                             registry=self.registry,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)).labels(**labels)
+        self._server = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server; returns the bound port."""
+        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return self._server.server_address[1]
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

@@ -1,0 +1,96 @@
+"""Start a worker process: flags -> configs -> engine -> engine thread -> gRPC + /metrics.
+
+Used by ``python -m prefill_worker`` and ``python -m decode_worker``. When every server is up
+it prints one line ``TANDEM_WORKER_READY {json}`` with the bound addresses (ports may be 0 =
+picked), then serves until SIGINT/SIGTERM and shuts everything down.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.cli_args import add_config_args, config_from_args
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.serving.config import WorkerConfig
+
+logger = logging.getLogger(__name__)
+READY_PREFIX = "TANDEM_WORKER_READY "
+
+
+@dataclass
+class WorkerParts:
+    """What a role hands back to be served: its loop, gRPC registration and stats."""
+
+    loop: Any                                   # an EngineLoop
+    register: list[Callable]                    # add_XServicer_to_server partials
+    service_names: list[str]
+    metrics: Any                                # WorkerMetrics
+    close: Callable[[], None]
+
+
+def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker",
+                                     description=f"Tandem {role} worker: engine + gRPC + kvtransfer + /metrics")
+    parser.add_argument("--log-level", default="INFO")
+    add_config_args(parser, WorkerConfig)
+    add_config_args(parser, ModelConfig)
+    add_config_args(parser, CacheConfig)
+    add_config_args(parser, SchedulerConfig)
+    return parser.parse_args(argv)
+
+
+def run(role: str, build: Callable[[WorkerConfig, ModelConfig, CacheConfig, SchedulerConfig], WorkerParts],
+        argv: list[str] | None = None) -> int:
+    args = parse_args(role, argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        worker = config_from_args(WorkerConfig, args)
+        configs = (config_from_args(ModelConfig, args), config_from_args(CacheConfig, args),
+                   config_from_args(SchedulerConfig, args))
+        if worker.num_threads:
+            import torch
+            torch.set_num_threads(worker.num_threads)
+        parts = build(worker, *configs)
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"{role} worker: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_serve(role, worker, parts))
+    finally:
+        parts.close()
+
+
+async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
+    from engine.serving.grpc_server import start_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    metrics_port = parts.metrics.serve(worker.host, worker.metrics_port) if worker.metrics_port >= 0 else None
+    parts.loop.start()
+    try:
+        server, port, _health = await start_server(worker.host, worker.port, parts.register, parts.service_names)
+    except OSError as exc:
+        print(f"{role} worker: error: {exc}", file=sys.stderr)
+        parts.loop.stop()
+        return 2
+    ready = {"role": role, "grpc": f"{worker.host}:{port}", "pid": os.getpid(),
+             "metrics": None if metrics_port is None else f"{worker.host}:{metrics_port}"}
+    print(READY_PREFIX + json.dumps(ready), flush=True)
+    logger.info("%s worker serving gRPC on %s", role, ready["grpc"])
+    await stop.wait()
+    logger.info("%s worker shutting down", role)
+    await server.stop(grace=2.0)
+    parts.loop.stop()
+    parts.metrics.close()
+    return 0

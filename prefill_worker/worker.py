@@ -1,0 +1,238 @@
+"""The prefill role's engine thread: compute prompts, push their KV layer by layer, notify.
+
+Runs on the prefill worker's engine thread. A job is submitted by the router; its destination
+(the decode worker's reserved block ids and region descriptor) arrives separately from the
+decode worker, before or after the prompt is computed. As soon as both are known, each layer's
+K/V of the prompt is written into the decode worker's pool right after that layer runs
+(layer-pipelined); then the first token is sampled and sent with ``notify``. The job's blocks
+stay referenced until every transfer op has finished, then return to the prefix cache.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import kvtransfer
+from engine.config import SamplingParams
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.scheduler import ScheduledBatch
+from engine.serving.config import WorkerConfig
+from engine.serving.loop import EngineLoop
+from engine.serving.metrics import WorkerMetrics
+
+logger = logging.getLogger(__name__)
+
+EARLY_DESTINATION_TTL_S = 60.0  # a destination may arrive before its Submit; kept this long
+
+
+@dataclass
+class Destination:
+    block_ids: list[int]
+    descriptor: bytes
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    decode_address: str
+    arrival_s: float = field(default_factory=time.monotonic)
+    destination: Destination | None = None
+    sender: kvtransfer.Sender | None = None
+    first: StepOutput | None = None           # set once the prompt is computed
+    layers_shipped: bool = False              # per-layer writes issued during the forward
+    futures: list[Future] = field(default_factory=list)
+    destination_s: float | None = None
+
+    @property
+    def shipping(self) -> bool:
+        return bool(self.futures)
+
+
+class PrefillLoop(EngineLoop):
+    def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
+                 fabric: kvtransfer.FakeFabric | None = None) -> None:
+        super().__init__("prefill-engine", config.log_interval_s)
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+        self.fabric = fabric
+        self.layout = kvtransfer.KVLayout.of_pool(engine.runner.kv_pool.tensor)
+        self.jobs: dict[str, PrefillJob] = {}
+        self.early: dict[str, tuple[Destination, float]] = {}
+        self.senders: dict[bytes, kvtransfer.Sender] = {}
+        self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
+        self._last_prompt_tokens = 0
+        metrics.kv_blocks_total.set(engine.allocator.num_blocks)
+
+    # -- commands (engine thread) ----------------------------------------------------------
+    def submit(self, job: PrefillJob) -> int:
+        """Queue a prompt; returns the prompt tokens found in the prefix cache."""
+        if job.request_id in self.jobs:
+            raise KeyError(f"request_id={job.request_id!r} is already submitted")
+        # The prefill worker samples only the first token.
+        self.engine.add_request(job.request_id, job.prompt_token_ids,
+                                dataclasses.replace(job.params, max_tokens=1))
+        self.jobs[job.request_id] = job
+        self._interval["new_seq"] += 1
+        early = self.early.pop(job.request_id, None)
+        if early is not None:
+            self.set_destination(job.request_id, early[0])
+        return self.engine.allocator.peek_prefix_blocks(job.prompt_token_ids) * self.engine.allocator.block_size
+
+    def set_destination(self, request_id: str, destination: Destination) -> None:
+        job = self.jobs.get(request_id)
+        if job is None:
+            self.early[request_id] = (destination, time.monotonic())
+            return
+        if job.destination is not None:
+            raise ValueError(f"request_id={request_id!r} already has a destination")
+        num_blocks = -(-len(job.prompt_token_ids) // self.engine.allocator.block_size)
+        if len(destination.block_ids) < num_blocks:
+            raise ValueError(f"request_id={request_id!r}: {len(destination.block_ids)} destination blocks "
+                             f"for a prompt that fills {num_blocks}")
+        job.sender = self._sender(destination.descriptor)
+        job.destination = destination
+        job.destination_s = time.monotonic()
+        job.sender.open(request_id)
+        if job.first is not None:
+            self._ship(job)
+
+    def abort(self, request_id: str) -> bool:
+        job = self.jobs.pop(request_id, None)
+        if job is None:
+            return self.early.pop(request_id, None) is not None
+        if job.sender is not None:
+            job.sender.cancel(request_id, "aborted at the prefill worker")
+        # Source blocks are only read by in-flight writes, and the request is cancelled, so
+        # they can go back to the pool now.
+        self.engine.abort_request(request_id)
+        return True
+
+    # -- the loop ------------------------------------------------------------------------
+    def run_once(self) -> bool:
+        busy = self.engine.has_unfinished()
+        for out in self.engine.step(after_layer=self._after_layer) if busy else []:
+            job = self.jobs.get(out.request_id)
+            if job is None:
+                continue
+            job.first = out
+            if job.destination is not None:
+                self._ship(job)
+        self._reap()
+        self._expire_early()
+        self._update_gauges()
+        return busy
+
+    def idle_wait_s(self) -> float:
+        return 0.002 if any(j.shipping for j in self.jobs.values()) else 0.05
+
+    def _after_layer(self, layer: int, batch: ScheduledBatch) -> None:
+        for seq, num_new in batch.prefills:
+            job = self.jobs.get(seq.request_id)
+            if job is None or job.destination is None or seq.num_computed_tokens + num_new != seq.num_tokens:
+                continue  # not the prompt's last chunk, or nowhere to send it yet
+            src, dst = self._block_pairs(job, seq.block_ids)
+            job.futures.append(job.sender.write(job.request_id, [layer], src, dst))
+            job.layers_shipped = True
+
+    def _ship(self, job: PrefillJob) -> None:
+        """Write what the forward pass did not ship yet, then send the first token."""
+        if not job.layers_shipped:
+            held = self.engine.held.get(job.request_id)
+            if held is None:
+                return
+            src, dst = self._block_pairs(job, held.block_ids)
+            job.futures.append(job.sender.write(job.request_id, range(self.layout.num_layers), src, dst))
+            job.layers_shipped = True
+        out = job.first
+        entry = out.new_logprobs[0] if out.new_logprobs else None
+        token = out.new_token_ids[0]
+        top = tuple(sorted(((t, lp) for t, lp in entry.items()), key=lambda kv: -kv[1])[:job.params.logprobs or 0]) \
+            if entry else ()
+        payload = kvtransfer.NotifyPayload(
+            first_token_id=token, first_logprob=None if entry is None else entry[token], top_logprobs=top,
+            num_prompt_tokens=len(job.prompt_token_ids),
+            num_cached_tokens=self.engine.held[job.request_id].num_prefix_hit_tokens
+            if job.request_id in self.engine.held else 0)
+        job.futures.append(job.sender.notify(job.request_id, payload))
+
+    def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:
+        num_blocks = -(-len(job.prompt_token_ids) // self.engine.allocator.block_size)
+        return src_block_ids[:num_blocks], job.destination.block_ids[:num_blocks]
+
+    def _reap(self) -> None:
+        """Release the blocks of jobs whose transfer ops all finished (or whose destination
+        never came: the decode worker is gone)."""
+        now = time.monotonic()
+        for request_id, job in list(self.jobs.items()):
+            if job.first is not None and job.destination is None and now - job.arrival_s > EARLY_DESTINATION_TTL_S:
+                logger.warning("no destination within %.0f s, dropping request_id=%s", EARLY_DESTINATION_TTL_S,
+                               request_id)
+                self.abort(request_id)
+                continue
+            if job.first is None or not job.futures or not all(f.done() for f in job.futures):
+                continue
+            error = next((f.exception() for f in job.futures if f.exception() is not None), None)
+            if error is not None:
+                logger.warning("KV transfer failed request_id=%s: %s", request_id, error)
+            else:
+                self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.destination_s)
+                self.metrics.kv_transfer_bytes.inc(2 * self.layout.num_layers * self.layout.block_nbytes
+                                                   * len(self._block_pairs(job, job.destination.block_ids)[0]))
+            self.engine.release(request_id)
+            del self.jobs[request_id]
+
+    def _expire_early(self) -> None:
+        now = time.monotonic()
+        for request_id, (_, at) in list(self.early.items()):
+            if now - at > EARLY_DESTINATION_TTL_S:
+                del self.early[request_id]
+
+    def _sender(self, descriptor: bytes) -> kvtransfer.Sender:
+        sender = self.senders.get(descriptor)
+        if sender is None:
+            sender = kvtransfer.create_sender(descriptor, self.engine.runner.kv_pool.tensor, self.layout,
+                                              self.config.kv_backend, fabric=self.fabric)
+            self.senders[descriptor] = sender
+        return sender
+
+    # -- observability -------------------------------------------------------------------------
+    def _update_gauges(self) -> None:
+        sched = self.engine.scheduler
+        self.metrics.running.set(len(sched.running))
+        self.metrics.waiting.set(len(sched.waiting))
+        self.metrics.transferring.set(sum(1 for j in self.jobs.values() if j.shipping))
+        self.metrics.kv_usage.set(self.engine.allocator.usage)
+        new_tokens = self.engine.num_prompt_tokens_total - self._last_prompt_tokens
+        if new_tokens:
+            self.metrics.prompt_tokens.inc(new_tokens)
+            self._interval["new_token"] += new_tokens
+            self._last_prompt_tokens = self.engine.num_prompt_tokens_total
+
+    def stats(self) -> dict[str, float]:
+        alloc = self.engine.allocator
+        return {"role": "prefill", "num_running": len(self.engine.scheduler.running),
+                "num_waiting": len(self.engine.scheduler.waiting), "num_preallocated": 0,
+                "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),
+                "kv_blocks_used": alloc.num_used_blocks, "kv_blocks_total": alloc.num_blocks,
+                "prefix_cache_queries": alloc.num_prefix_queries_tokens,
+                "prefix_cache_hits": alloc.num_prefix_hit_tokens, "num_retractions": 0}
+
+    def log_stats(self, now: float) -> None:
+        counts = self._interval
+        if counts["new_seq"] or counts["new_token"]:
+            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+                        "#queue-req: %d", counts["new_seq"], counts["new_token"],
+                        self.engine.allocator.num_prefix_hit_tokens - counts["cached_token"],
+                        self.engine.allocator.usage, len(self.engine.scheduler.waiting))
+        self._interval = {"new_seq": 0, "new_token": 0, "cached_token": self.engine.allocator.num_prefix_hit_tokens}
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+        self.senders.clear()
