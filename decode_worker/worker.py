@@ -215,7 +215,8 @@ class DecodeLoop(EngineLoop):
                 "kv_blocks_total": alloc.num_blocks, "gen_tokens_per_s": self._gen_rate(time.monotonic()),
                 "prefix_cache_queries": alloc.num_prefix_queries_tokens,
                 "prefix_cache_hits": alloc.num_prefix_hit_tokens,
-                "num_retractions": self.engine.scheduler.num_retracted_total}
+                "num_retractions": self.engine.scheduler.num_retracted_total,
+                "model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
     def _gen_rate(self, now: float) -> float:
         elapsed = max(now - self._last_log_s, 1e-6)

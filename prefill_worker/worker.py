@@ -221,7 +221,8 @@ class PrefillLoop(EngineLoop):
                 "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),
                 "kv_blocks_used": alloc.num_used_blocks, "kv_blocks_total": alloc.num_blocks,
                 "prefix_cache_queries": alloc.num_prefix_queries_tokens,
-                "prefix_cache_hits": alloc.num_prefix_hit_tokens, "num_retractions": 0}
+                "prefix_cache_hits": alloc.num_prefix_hit_tokens, "num_retractions": 0,
+                "model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
     def log_stats(self, now: float) -> None:
         counts = self._interval

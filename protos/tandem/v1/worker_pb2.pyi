@@ -121,7 +121,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "num_preallocated", "num_transferring", "kv_blocks_used", "kv_blocks_total", "prompt_tokens_per_s", "gen_tokens_per_s", "prefix_cache_queries", "prefix_cache_hits", "num_retractions")
+    __slots__ = ("role", "num_running", "num_waiting", "num_preallocated", "num_transferring", "kv_blocks_used", "kv_blocks_total", "prompt_tokens_per_s", "gen_tokens_per_s", "prefix_cache_queries", "prefix_cache_hits", "num_retractions", "model", "max_model_len")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,8 @@ class StatsResponse(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -146,4 +148,6 @@ class StatsResponse(_message.Message):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_retractions: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preallocated: _Optional[int] = ..., num_transferring: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., gen_tokens_per_s: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_retractions: _Optional[int] = ...) -> None: ...
+    model: str
+    max_model_len: int
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preallocated: _Optional[int] = ..., num_transferring: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., gen_tokens_per_s: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_retractions: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
