@@ -54,7 +54,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         asyncio.run_coroutine_threadsafe(self._send_destination(job, descriptor), self.aio_loop)
 
     async def _send_destination(self, job: DecodeJob, descriptor: bytes) -> None:
-        request = worker_pb2.SetDestinationRequest(request_id=job.request_id, block_ids=job.block_ids,
+        request = worker_pb2.SetDestinationRequest(request_id=job.request_id, block_ids=job.transfer_block_ids,
                                                    region_descriptor=descriptor)
         try:
             await self.prefill.stub(job.prefill_address).SetDestination(request, timeout=self.rpc_timeout_s)

@@ -47,7 +47,8 @@ class DecodeJob:
     sink: Callable[[StreamEvent], None]       # called on the engine thread
     arrival_s: float = field(default_factory=time.monotonic)
     state: str = "preallocating"              # preallocating | transferring | running
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)        # reserved: prompt + first token
+    transfer_block_ids: list[int] = field(default_factory=list)  # the ones the prompt's KV fills
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     last_token_s: float | None = None
@@ -132,7 +133,9 @@ class DecodeLoop(EngineLoop):
                     break
             self.prealloc.popleft()
             job.block_ids = self.engine.allocator.allocate(num_blocks)
-            self.receiver.expect(job.request_id, job.block_ids, self.engine.runner.arch.num_layers,
+            # The first token's K/V is computed here, so only the prompt's blocks are written.
+            job.transfer_block_ids = job.block_ids[:-(-len(job.prompt_token_ids) // block_size)]
+            self.receiver.expect(job.request_id, job.transfer_block_ids, self.engine.runner.arch.num_layers,
                                  self.config.kv_lease_s)
             job.state = "transferring"
             job.reserved_s = time.monotonic()

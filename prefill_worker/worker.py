@@ -92,7 +92,7 @@ class PrefillLoop(EngineLoop):
         if job.destination is not None:
             raise ValueError(f"request_id={request_id!r} already has a destination")
         num_blocks = -(-len(job.prompt_token_ids) // self.engine.allocator.block_size)
-        if len(destination.block_ids) < num_blocks:
+        if len(destination.block_ids) != num_blocks:
             raise ValueError(f"request_id={request_id!r}: {len(destination.block_ids)} destination blocks "
                              f"for a prompt that fills {num_blocks}")
         job.sender = self._sender(destination.descriptor)

@@ -1,0 +1,104 @@
+"""The in-process twin of a prefill/decode pair: the real role loops (engine threads), the
+engine's disaggregation hooks (after_layer, keep_finished_blocks, add_prefilled) and the fake
+kvtransfer backend, with no processes and no gRPC. Outputs must equal the colocated engine's.
+"""
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+import kvtransfer
+from decode_worker.worker import DecodeJob, DecodeLoop
+from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.serving.config import WorkerConfig
+from engine.serving.metrics import WorkerMetrics
+from prefill_worker.worker import Destination, PrefillJob, PrefillLoop
+
+
+@pytest.fixture
+def pair(tiny_model_dir):
+    model_dir = str(tiny_model_dir("llama"))
+    made = []
+
+    def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128):
+        def engine(keep: bool, blocks: int) -> LLMEngine:
+            e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device="cpu", max_model_len=max_model_len),
+                          CacheConfig(block_size=4, num_gpu_blocks_override=blocks),
+                          SchedulerConfig(chunked_prefill_size=chunked_prefill_size), keep_finished_blocks=keep)
+            made.append(e)
+            return e
+        fabric = kvtransfer.FakeFabric()
+        config = WorkerConfig(kv_backend="fake", log_interval_s=60)
+        p_engine, d_engine = engine(True, 256), engine(False, decode_blocks)
+        pool = d_engine.runner.kv_pool.tensor
+        receiver = kvtransfer.create_receiver(pool, kvtransfer.KVLayout.of_pool(pool), "fake", fabric=fabric)
+        prefill = PrefillLoop(p_engine, config, WorkerMetrics("prefill"), fabric=fabric)
+
+        def send_destination(job: DecodeJob, descriptor: bytes) -> None:  # the SetDestination RPC
+            destination = Destination(list(job.transfer_block_ids), descriptor)
+            prefill.call(lambda: prefill.set_destination(job.request_id, destination))
+
+        decode = DecodeLoop(d_engine, config, WorkerMetrics("decode"), receiver, send_destination)
+        prefill.start()
+        decode.start()
+        made.append((prefill, decode, receiver))
+        return prefill, decode
+
+    yield make
+    for item in made:
+        if isinstance(item, tuple):
+            prefill, decode, receiver = item
+            decode.stop()
+            prefill.stop()
+            prefill.close()
+            receiver.close()
+        else:
+            item.close()
+
+
+def _run(prefill: PrefillLoop, decode: DecodeLoop, prompts, params) -> list[list[int]]:
+    streams = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        rid = f"twin-{i}"
+        decode.call(lambda j=DecodeJob(rid, prompt, p, "in-process", events.put): decode.add(j))
+        prefill.call(lambda j=PrefillJob(rid, prompt, p, "in-process"): prefill.submit(j))
+        streams.append(events)
+    outputs = []
+    for events in streams:
+        tokens = []
+        while True:
+            event = events.get(timeout=60)
+            assert event.error is None, event.error
+            tokens += event.token_ids
+            if event.finish_reason is not None:
+                break
+        outputs.append(tokens)
+    return outputs
+
+
+def _colocated(make_llm, tiny_model_dir, prompts, params):
+    llm = make_llm(tiny_model_dir("llama"), block_size=4, max_model_len=128)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+def test_pd_twin_matches_colocated_greedy_and_seeded(pair, make_llm, tiny_model_dir):
+    prompts = [[(7 * i + 3 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 1])]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4 + \
+             [SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)] * 2
+    prefill, decode = pair(chunked_prefill_size=16)  # the 40- and 64-token prompts take several chunks
+    assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
+    # Everything returns: the prefill worker's blocks sit in its prefix cache, the decode pool is empty.
+    assert prefill.engine.allocator.num_used_blocks == 0
+    assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
+
+
+def test_pd_twin_retracts_under_a_small_decode_pool(pair, make_llm, tiny_model_dir):
+    prompts = [[(11 * i + j) % 40000 + 100 for j in range(10 + 3 * i)] for i in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 6
+    prefill, decode = pair(decode_blocks=40, max_model_len=64)
+    assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
+    assert decode.engine.scheduler.num_retracted_total > 0
+    assert decode.engine.allocator.num_used_blocks == 0
