@@ -67,6 +67,7 @@ class PrefillLoop(EngineLoop):
         self.senders: dict[bytes, kvtransfer.Sender] = {}
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
         self._last_prompt_tokens = 0
+        self._rate_mark = (time.monotonic(), 0)   # (time, prompt tokens) at the last log line
         metrics.kv_blocks_total.set(engine.allocator.num_blocks)
 
     # -- commands (engine thread) ----------------------------------------------------------
@@ -220,9 +221,14 @@ class PrefillLoop(EngineLoop):
                 "num_waiting": len(self.engine.scheduler.waiting), "num_preallocated": 0,
                 "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),
                 "kv_blocks_used": alloc.num_used_blocks, "kv_blocks_total": alloc.num_blocks,
+                "prompt_tokens_per_s": self._prompt_rate(time.monotonic()),
                 "prefix_cache_queries": alloc.num_prefix_queries_tokens,
                 "prefix_cache_hits": alloc.num_prefix_hit_tokens, "num_retractions": 0,
                 "model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
+
+    def _prompt_rate(self, now: float) -> float:
+        at, tokens = self._rate_mark
+        return (self.engine.num_prompt_tokens_total - tokens) / max(now - at, 1e-6)
 
     def log_stats(self, now: float) -> None:
         counts = self._interval
@@ -232,6 +238,7 @@ class PrefillLoop(EngineLoop):
                         self.engine.allocator.num_prefix_hit_tokens - counts["cached_token"],
                         self.engine.allocator.usage, len(self.engine.scheduler.waiting))
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": self.engine.allocator.num_prefix_hit_tokens}
+        self._rate_mark = (now, self.engine.num_prompt_tokens_total)
 
     def close(self) -> None:
         for sender in self.senders.values():
