@@ -1,4 +1,7 @@
-"""Repo rules for kvtransfer: no pickle anywhere, imports only numpy/torch/zmq/msgpack."""
+"""Repo rules for kvtransfer: imports only numpy/torch/zmq/msgpack, no hard-coded ports.
+
+(No-pickle and the import direction of every package: tests/test_architecture.py.)
+"""
 from __future__ import annotations
 
 import ast
@@ -9,23 +12,11 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCES = sorted((ROOT / "kvtransfer").glob("*.py"))
 ALLOWED_THIRD_PARTY = {"numpy", "torch", "zmq", "msgpack"}
-PICKLE_USE = re.compile(
-    r"import\s+(c?pickle|cloudpickle|dill)\b|from\s+(c?pickle|cloudpickle|dill)\b"
-    r"|\b(c?pickle|cloudpickle|dill)\.\w+\(|_pyobj\(|torch\.(load|save)\(|allow_pickle\s*=\s*True"
-    r"|multiprocessing\.reductions|ForkingPickler")
 
 
 def test_sources_found():
     assert {p.name for p in SOURCES} >= {"__init__.py", "layout.py", "messages.py", "receiver.py",
                                          "sender.py", "shm.py", "tcp.py", "cuda_ipc.py", "fake.py"}
-
-
-def test_no_pickle_anywhere():
-    files = SOURCES + sorted((ROOT / "tests" / "kvtransfer").glob("*.py"))
-    offenders = [f"{p.name}:{i}" for p in files if p.name != "test_hygiene.py"
-                 for i, line in enumerate(p.read_text().splitlines(), 1) if PICKLE_USE.search(line)]
-    assert offenders == []
-    assert PICKLE_USE.search("sock." + "recv_pyobj()") and PICKLE_USE.search("import " + "pickle")
 
 
 def test_imports_point_one_way():
