@@ -125,7 +125,10 @@ class DecodeLoop(EngineLoop):
         pending_future = sum(j.params.max_tokens for j in self.transferring.values())
         while self.prealloc:
             job = self.jobs[self.prealloc[0]]
-            num_blocks = -(-(len(job.prompt_token_ids) + 1) // block_size)
+            # Room for the prompt and the first token (unless the prompt already fills
+            # max_model_len: then the first token ends the request and is never cached).
+            num_tokens = min(len(job.prompt_token_ids) + 1, self.engine.max_model_len)
+            num_blocks = -(-num_tokens // block_size)
             if not self.engine.scheduler.can_reserve(num_blocks, pending_future + job.params.max_tokens):
                 if self.engine.scheduler.running or self.transferring:
                     break  # wait for running requests to finish
