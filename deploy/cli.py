@@ -2,6 +2,7 @@
 
 Subcommands:
   generate   run the in-process engine on prompts and print the completions
+  plan       KV cache, concurrency and max_model_len a deployment can afford (no weights loaded)
 """
 from __future__ import annotations
 
@@ -84,10 +85,65 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="capacity answers before OOM: KV blocks, concurrency, max_model_len",
+                       description="Capacity arithmetic from the model's architecture (no weights loaded).")
+    p.add_argument("--model", default=ModelConfig.model, help="built-in name, HF directory or .gguf file")
+    p.add_argument("--memory", default=None,
+                   help="device memory per GPU, e.g. 80GB or 80GiB, or 'auto' (this machine's CUDA device); "
+                        "unset: a CPU worker, whose KV pool is --kv-cache-memory (default 1 GiB)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
+    p.add_argument("--kv-cache-memory", default=None, help="exact KV pool bytes per worker (e.g. 4GiB)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="auto: float32 on CPU, bfloat16 with --memory")
+    p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
+    p.add_argument("--chunked-prefill-size", type=int, default=SchedulerConfig.chunked_prefill_size)
+    p.add_argument("--activation-memory", default=None, help="override the activation reserve estimate")
+    p.add_argument("--input-len", type=float, default=1024, help="average prompt tokens")
+    p.add_argument("--output-len", type=float, default=256, help="average output tokens")
+    p.add_argument("--request-log", type=Path, default=None,
+                   help="JSONL log, one request per line with prompt_len (or prompt) and max_tokens")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_plan, log_level="WARNING")
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from deploy.plan import Workload, make_plan, parse_bytes, read_workload, render
+    from engine.model_source import load_arch, resolve_model
+
+    if args.tensor_parallel_size < 1 or args.block_size < 1:
+        raise ValueError("--tensor-parallel-size and --block-size must be >= 1")
+    memory = args.memory
+    if memory == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--memory auto needs a CUDA device; give a size such as 80GB")
+        memory = torch.cuda.get_device_properties(0).total_memory
+    elif memory is not None:
+        memory = parse_bytes(memory)
+    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if memory is not None else "float32")
+    workload = (read_workload(args.request_log) if args.request_log is not None
+                else Workload(args.input_len, args.output_len))
+    plan = make_plan(load_arch(resolve_model(args.model)), args.model, dtype=dtype, block_size=args.block_size,
+                     tensor_parallel_size=args.tensor_parallel_size, workload=workload, memory_bytes=memory,
+                     gpu_memory_utilization=args.gpu_memory_utilization,
+                     kv_cache_memory=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),
+                     max_model_len=args.max_model_len, chunked_prefill_size=args.chunked_prefill_size,
+                     max_num_seqs=args.max_num_seqs,
+                     activation_bytes=None if args.activation_memory is None else parse_bytes(args.activation_memory))
+    print(plan.to_json() if args.json else render(plan))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _plan_parser(sub)
     return parser
 
 

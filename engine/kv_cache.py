@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from engine.capacity import capacity_lines  # noqa: F401 - logged at startup
+
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
@@ -86,13 +88,3 @@ class KVPool:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-def capacity_lines(num_blocks: int, block_size: int, max_model_len: int) -> tuple[str, str]:
-    """The two startup lines operators grep for (DESIGN.md §4)."""
-    num_tokens = num_blocks * block_size
-    blocks_per_request = -(-max_model_len // block_size)
-    concurrency = num_blocks // blocks_per_request
-    return (f"num_blocks_global: {num_blocks}",
-            f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_tokens} tokens; "
-            f"~{concurrency} concurrent requests at {max_model_len} tokens/request")

@@ -13,12 +13,9 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile
-from engine.model_source import ModelSource, resolve_model  # noqa: F401 - re-exported
+from engine.model_source import ModelSource, load_arch, resolve_model  # noqa: F401 - re-exported
 from engine.models.arch import (
     ArchConfig,
-    arch_from_gguf_metadata,
-    arch_from_hf_config,
-    load_hf_config,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,10 +37,7 @@ class Checkpoint:
     def __init__(self, source: ModelSource) -> None:
         self.source = source
         self.gguf = GGUFFile(source.path) if source.kind == "gguf" else None
-        if self.gguf is None:
-            self.arch = arch_from_hf_config(load_hf_config(source.path))
-        else:
-            self.arch = arch_from_gguf_metadata(self.gguf.metadata, {t.name for t in self.gguf.tensors})
+        self.arch = load_arch(source)
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, float tensor) pairs."""

