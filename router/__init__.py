@@ -1,4 +1,7 @@
-"""Router: public gRPC API, OpenAI-compatible HTTP API, routing policies, client SDK.
+"""Router: public gRPC API, OpenAI-compatible HTTP API, routing policies, worker registry, client SDK.
 
-Placeholder until the router issue lands.
+Runs in the router process (``python -m router``); never imports torch, and of ``engine`` only
+``engine.tokenizer``. Map: server.py (both servers on one loop) -> grpc_api.py / http_api.py
+-> frontend.py (validate, tokenize, detokenize, stop strings) -> dispatch.py (P/D pair,
+streaming, failover) -> registry.py (membership, heartbeats) + policies/. client.py is the SDK.
 """

@@ -1,0 +1,81 @@
+"""Entry point: ``python -m router --model NAME --prefill ADDR --decode ADDR ...`` (see ``--help``).
+
+Prints ``TANDEM_ROUTER_READY {"http": "host:port", "grpc": "host:port"}`` when both servers
+listen, then serves until SIGINT/SIGTERM.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+from router.server import Router
+
+READY_PREFIX = "TANDEM_ROUTER_READY "
+
+
+def parse_args(argv: list[str] | None) -> RouterConfig:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="python -m router", description="Tandem router: gRPC + OpenAI HTTP API")
+    p.add_argument("--model", default=d.model, help="model the workers serve (built-in name, HF dir or .gguf)")
+    p.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--http-port", type=int, default=d.http_port, help="0 = pick a free port, -1 = no HTTP")
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="0 = pick a free port")
+    p.add_argument("--prefill", action="append", default=[], metavar="ADDR", help="prefill worker (repeatable)")
+    p.add_argument("--decode", action="append", default=[], metavar="ADDR", help="decode worker (repeatable)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""), help="or TANDEM_API_KEY")
+    p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
+    p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
+    p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
+    p.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
+    p.add_argument("--max-missed-heartbeats", type=int, default=d.max_missed_heartbeats)
+    p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--log-level", default="INFO")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s router %(name)s: %(message)s", stream=sys.stderr)
+    return RouterConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+                        http_port=args.http_port, grpc_port=args.grpc_port, prefill=tuple(args.prefill),
+                        decode=tuple(args.decode), api_key=args.api_key, prefill_policy=args.prefill_policy,
+                        decode_policy=args.decode_policy, max_waiting=args.max_waiting,
+                        heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
+                        max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts)
+
+
+async def serve(config: RouterConfig) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    router = Router(config)
+    try:
+        await router.start()
+    except OSError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        await router.stop()
+        return 2
+    print(READY_PREFIX + json.dumps({"http": router.http_address or None, "grpc": router.grpc_address}), flush=True)
+    await stop.wait()
+    logging.getLogger(__name__).info("router shutting down")
+    await router.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ValueError as exc:
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,227 @@
+"""Client SDK for the Tandem gRPC API (runs in the user's process; needs grpcio + protos only).
+
+    from router.client import TandemClient
+    with TandemClient("127.0.0.1:50051", api_key=None) as client:
+        out = client.generate("The capital of France is", max_tokens=16, temperature=0.0)
+        print(out.text, out.finish_reason, out.usage)
+        for chunk in client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=32):
+            print(chunk.text, end="", flush=True)
+
+``AsyncTandemClient`` has the same methods as coroutines / async iterators. Sampling keywords:
+temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
+seed, max_tokens, ignore_eos, logprobs, stop (str or list), stop_token_ids. Failures raise a
+``TandemError`` subclass carrying the gRPC status code.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+_SAMPLING_FIELDS = {f.name for f in tandem_pb2.Sampling.DESCRIPTOR.fields}
+
+
+class TandemError(Exception):
+    """A failed call; ``code`` is the grpc.StatusCode, ``details`` the server's message."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class InvalidArgument(TandemError): pass        # noqa: E701
+class Unauthenticated(TandemError): pass        # noqa: E701
+class ModelNotFound(TandemError): pass          # noqa: E701
+class Overloaded(TandemError): pass             # noqa: E701
+class Unavailable(TandemError): pass            # noqa: E701
+
+
+_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+           grpc.StatusCode.NOT_FOUND: ModelNotFound, grpc.StatusCode.RESOURCE_EXHAUSTED: Overloaded,
+           grpc.StatusCode.UNAVAILABLE: Unavailable}
+
+
+def _error(exc: grpc.RpcError) -> TandemError:
+    return _ERRORS.get(exc.code(), TandemError)(exc.code(), exc.details() or "")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Chunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    logprobs: list[Any] = field(default_factory=list)   # tandem_pb2.TokenLogprob
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[Any] = field(default_factory=list)
+
+
+def _sampling(options: dict[str, Any]) -> tandem_pb2.Sampling:
+    unknown = set(options) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling options {sorted(unknown)}; known: {sorted(_SAMPLING_FIELDS)}")
+    if isinstance(options.get("stop"), str):
+        options = {**options, "stop": [options["stop"]]}
+    return tandem_pb2.Sampling(**{k: v for k, v in options.items() if v is not None})
+
+
+def _completion_request(prompt: str | Sequence[int], model: str, request_id: str,
+                        options: dict[str, Any]) -> tandem_pb2.CompletionRequest:
+    request = tandem_pb2.CompletionRequest(model=model, sampling=_sampling(options), request_id=request_id)
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    else:
+        request.prompt_token_ids.extend(prompt)
+    return request
+
+
+def _chat_request(messages: Sequence[dict], model: str, request_id: str, options: dict[str, Any]):
+    return tandem_pb2.ChatRequest(model=model, sampling=_sampling(options), request_id=request_id,
+                                  messages=[tandem_pb2.ChatMessage(role=m["role"], content=m["content"])
+                                            for m in messages])
+
+
+def _chunk(msg: tandem_pb2.CompletionChunk) -> Chunk:
+    usage = None
+    if msg.finish_reason:
+        usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
+    return Chunk(msg.text, list(msg.token_ids), msg.finish_reason or None, usage, list(msg.logprobs))
+
+
+def _join(chunks: list[Chunk]) -> Completion:
+    last = chunks[-1]
+    return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
+                      last.finish_reason or "", last.usage or Usage(0, 0), [lp for c in chunks for lp in c.logprobs])
+
+
+def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {api_key}"),) if api_key else None
+
+
+class TandemClient:
+    """Blocking client. ``target`` is the router's gRPC ``host:port``."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, model: str = "",
+                 timeout_s: float | None = None) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.model = model
+        self.timeout_s = timeout_s
+
+    def _stream(self, method, request) -> Iterator[Chunk]:
+        call = method(request, metadata=self._metadata, timeout=self.timeout_s)
+        try:
+            for msg in call:
+                yield _chunk(msg)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()  # no-op when finished; aborts the request if the caller stopped early
+
+    def generate_stream(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> Iterator[Chunk]:
+        return self._stream(self._stub.Generate, _completion_request(prompt, self.model, request_id, sampling))
+
+    def generate(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> Completion:
+        return _join(list(self.generate_stream(prompt, request_id, **sampling)))
+
+    def chat_stream(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Iterator[Chunk]:
+        return self._stream(self._stub.Chat, _chat_request(messages, self.model, request_id, sampling))
+
+    def chat(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Completion:
+        return _join(list(self.chat_stream(messages, request_id, **sampling)))
+
+    def _unary(self, method, request):
+        try:
+            return method(request, metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _error(exc) from None
+
+    def models(self) -> list[tandem_pb2.ModelInfo]:
+        return list(self._unary(self._stub.ListModels, tandem_pb2.ListModelsRequest()).models)
+
+    def cluster(self) -> list[tandem_pb2.WorkerStatus]:
+        return list(self._unary(self._stub.GetCluster, tandem_pb2.GetClusterRequest()).workers)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> TandemClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncTandemClient:
+    """asyncio client with the same methods (``await client.generate(...)``, ``async for``)."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, model: str = "",
+                 timeout_s: float | None = None) -> None:
+        self._channel = grpc.aio.insecure_channel(target)
+        self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+        self._metadata = _metadata(api_key)
+        self.model = model
+        self.timeout_s = timeout_s
+
+    async def _stream(self, method, request) -> AsyncIterator[Chunk]:
+        call = method(request, metadata=self._metadata, timeout=self.timeout_s)
+        try:
+            async for msg in call:
+                yield _chunk(msg)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+        finally:
+            call.cancel()
+
+    def generate_stream(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
+        return self._stream(self._stub.Generate, _completion_request(prompt, self.model, request_id, sampling))
+
+    async def generate(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> Completion:
+        return _join([c async for c in self.generate_stream(prompt, request_id, **sampling)])
+
+    def chat_stream(self, messages: Sequence[dict], request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
+        return self._stream(self._stub.Chat, _chat_request(messages, self.model, request_id, sampling))
+
+    async def chat(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Completion:
+        return _join([c async for c in self.chat_stream(messages, request_id, **sampling)])
+
+    async def _unary(self, method, request):
+        try:
+            return await method(request, metadata=self._metadata, timeout=self.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise _error(exc) from None
+
+    async def models(self) -> list[tandem_pb2.ModelInfo]:
+        return list((await self._unary(self._stub.ListModels, tandem_pb2.ListModelsRequest())).models)
+
+    async def cluster(self) -> list[tandem_pb2.WorkerStatus]:
+        return list((await self._unary(self._stub.GetCluster, tandem_pb2.GetClusterRequest())).workers)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> AsyncTandemClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,51 @@
+"""Router settings; ``python -m router`` flags map 1:1 onto the fields (runs in the router process)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PREFILL_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
+DECODE_POLICIES = ("least_load", "power_of_two", "round_robin")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str = "smollm2-135m-instruct"   # tokenizer + served model name (built-in, HF dir or .gguf)
+    served_model_name: str = ""            # name clients use; empty = --model
+    host: str = "127.0.0.1"                # address the HTTP and gRPC servers bind
+    http_port: int = 8000                  # 0 picks a free port; -1 disables HTTP
+    grpc_port: int = 50051                 # 0 picks a free port
+    prefill: tuple[str, ...] = field(default_factory=tuple)   # prefill worker addresses
+    decode: tuple[str, ...] = field(default_factory=tuple)    # decode worker addresses
+    api_key: str = ""                      # required Bearer token / metadata; empty = none
+    prefill_policy: str = "cache_aware"
+    decode_policy: str = "least_load"
+    max_waiting: int = 1024                # requests waiting for their first token before 429
+    heartbeat_interval_s: float = 1.0      # Stats poll period per worker
+    heartbeat_timeout_s: float = 2.0       # one Stats poll longer than this is a miss
+    max_missed_heartbeats: int = 2         # misses in a row that remove a worker
+    max_attempts: int = 4                  # dispatches per request, the first one included
+    rpc_timeout_s: float = 30.0            # unary worker RPCs (Submit, Abort)
+
+    def __post_init__(self) -> None:
+        for name in ("http_port", "grpc_port"):
+            port = getattr(self, name)
+            if not (-1 if name == "http_port" else 0) <= port < 65536:
+                raise ValueError(f"{name} must be a port in [0, 65535], got {port}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy={self.prefill_policy!r}: use one of {PREFILL_POLICIES}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode_policy={self.decode_policy!r}: use one of {DECODE_POLICIES}")
+        if self.max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        if not (self.heartbeat_timeout_s > 0 and self.heartbeat_interval_s > 0):
+            raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
+        if self.max_missed_heartbeats < 1:
+            raise ValueError(f"max_missed_heartbeats must be >= 1, got {self.max_missed_heartbeats}")
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model

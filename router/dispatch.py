@@ -1,0 +1,235 @@
+"""The request flow at the router: pick a prefill/decode pair, open the stream, fail over.
+
+Runs on the router's asyncio loop. One attempt = ``DecodeWorker.Generate`` opened on D and
+``PrefillWorker.Submit`` sent to P concurrently, with the same request id. Tokens stream from
+D. When an attempt breaks — P or D removed by the registry, the stream ends with a transient
+gRPC error, or Submit fails transiently — both workers are probed (a dead one is removed) and
+the request is dispatched again to a fresh pair with prompt + the tokens already streamed and
+the remaining ``max_tokens``, so the caller sees one unbroken token stream with nothing
+duplicated or missing. Retries use ``<request_id>.retry<N>`` so a worker still cleaning up the
+old attempt never sees a clash.
+
+Cleanup of an unfinished attempt is synchronous (it runs while the caller is being cancelled):
+cancel the D stream and send Abort to P and D at once in background tasks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.tandem.v1 import worker_pb2
+from router import errors
+from router.policies import Policy
+from router.registry import WorkerRegistry, WorkerState
+
+logger = logging.getLogger(__name__)
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
+                       grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED})
+DEFAULT_MAX_TOKENS = 16  # the engine's default when sampling.max_tokens is unset
+
+
+@dataclass
+class TokenEvent:
+    """New tokens from the decode stream; the last event has ``finish_reason`` and the counts."""
+
+    token_ids: list[int]
+    logprobs: list[worker_pb2.TokenLogprobs]
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Attempt:
+    request_id: str
+    prefill: WorkerState
+    decode: WorkerState
+    call: grpc.aio.UnaryStreamCall | None = None
+    submit: asyncio.Task | None = None
+    submit_error: grpc.aio.AioRpcError | None = None
+    lost: str | None = None            # address of a worker the registry removed mid-attempt
+    prefill_done: bool = False         # first token seen (or attempt over): P no longer involved
+    finished: bool = False
+
+
+@dataclass
+class _Progress:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class Dispatcher:
+    def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
+                 max_attempts: int = 4, rpc_timeout_s: float = 30.0,
+                 on_failover: Callable[[str], None] | None = None) -> None:
+        self.registry = registry
+        self.prefill_policy = prefill_policy
+        self.decode_policy = decode_policy
+        self.max_attempts = max_attempts
+        self.rpc_timeout_s = rpc_timeout_s
+        self.on_failover = on_failover
+        self.num_waiting = 0          # requests without their first token yet
+        self._attempts: dict[str, set[Attempt]] = {}
+        self._background: set[asyncio.Task] = set()
+        registry.on_removed(self._worker_removed)
+
+    # -- public -----------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       sampling: worker_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
+        """Stream the request's tokens; raises RouterError when it cannot complete."""
+        progress = _Progress(list(prompt_token_ids),
+                             sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
+        waiting = True
+        self.num_waiting += 1
+        try:
+            for attempt_no in range(self.max_attempts):
+                attempt_id = request_id if attempt_no == 0 else f"{request_id}.retry{attempt_no}"
+                attempt = self._start(attempt_id, progress, sampling)
+                try:
+                    async for response in attempt.call:
+                        if response.token_ids and waiting:
+                            waiting = False
+                            self.num_waiting -= 1
+                        if response.token_ids or response.finish_reason:
+                            self._prefill_done(attempt)
+                        progress.output_token_ids += response.token_ids
+                        event = TokenEvent(list(response.token_ids), list(response.logprobs))
+                        if response.finish_reason:
+                            attempt.finished = True
+                            event.finish_reason = response.finish_reason
+                            event.num_prompt_tokens = len(progress.prompt_token_ids)
+                            event.num_output_tokens = len(progress.output_token_ids)
+                            event.num_cached_tokens = response.num_cached_tokens
+                        yield event
+                        if attempt.finished:
+                            return
+                    failure = "the decode stream ended without a finish_reason"
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() not in RETRYABLE:
+                        raise errors.from_worker(exc.code(), exc.details() or "") from None
+                    failure = f"decode stream: {exc.code().name}: {exc.details()}"
+                except asyncio.CancelledError:
+                    if (attempt.lost is None and attempt.submit_error is None) or asyncio.current_task().cancelling():
+                        raise
+                    failure = self._describe_break(attempt)
+                finally:
+                    self._end(attempt)
+                await self._diagnose(attempt)
+                if len(progress.output_token_ids) >= progress.max_tokens:
+                    # The stream broke after the last token but before its finish message.
+                    yield TokenEvent([], [], "length", len(progress.prompt_token_ids),
+                                     len(progress.output_token_ids))
+                    return
+                logger.warning("failing over request_id=%s after %d output tokens: %s", request_id,
+                               len(progress.output_token_ids), failure)
+                if self.on_failover is not None:
+                    self.on_failover(failure)
+            raise errors.unavailable(f"request_id={request_id} failed on {self.max_attempts} worker pairs")
+        finally:
+            if waiting:
+                self.num_waiting -= 1
+
+    async def close(self) -> None:
+        """Wait for the background Abort calls (call after the servers stopped taking requests)."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- one attempt ------------------------------------------------------------------------
+
+    def _pick(self, role: str, policy: Policy, prompt: list[int]) -> WorkerState:
+        workers = self.registry.healthy(role)
+        if not workers:
+            raise errors.unavailable(f"no {role} worker is available")
+        return policy.choose(workers, prompt)
+
+    def _start(self, attempt_id: str, progress: _Progress, sampling: worker_pb2.SamplingParams) -> Attempt:
+        prompt = progress.prompt_token_ids + progress.output_token_ids
+        params = worker_pb2.SamplingParams()
+        params.CopyFrom(sampling)
+        params.max_tokens = progress.max_tokens - len(progress.output_token_ids)
+        prefill = self._pick("prefill", self.prefill_policy, prompt)
+        decode = self._pick("decode", self.decode_policy, prompt)
+        attempt = Attempt(attempt_id, prefill, decode)
+        attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
+            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
+        attempt.submit = self._spawn(self._submit(attempt, worker_pb2.SubmitRequest(
+            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)))
+        for worker in (prefill, decode):
+            worker.num_inflight += 1
+            self._attempts.setdefault(worker.address, set()).add(attempt)
+        return attempt
+
+    async def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
+        try:
+            await attempt.prefill.stub.Submit(request, timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if attempt.finished or attempt.call.done():
+                return
+            attempt.submit_error = exc
+            attempt.call.cancel()
+
+    def _prefill_done(self, attempt: Attempt) -> None:
+        if not attempt.prefill_done:
+            attempt.prefill_done = True
+            attempt.prefill.num_inflight -= 1
+            self._attempts.get(attempt.prefill.address, set()).discard(attempt)
+
+    def _end(self, attempt: Attempt) -> None:
+        self._prefill_done(attempt)
+        attempt.decode.num_inflight -= 1
+        self._attempts.get(attempt.decode.address, set()).discard(attempt)
+        if attempt.finished:
+            return
+        attempt.finished = True
+        attempt.call.cancel()
+        # Abort at both workers at once; the decode worker also aborts at P when its stream
+        # is cancelled, but that takes a hop and the request may not have reached D yet.
+        for worker in (attempt.prefill, attempt.decode):
+            if not worker.removed:
+                self._spawn(self._abort(worker, attempt.request_id, attempt.submit if worker is attempt.prefill else None))
+
+    async def _abort(self, worker: WorkerState, request_id: str, submit: asyncio.Task | None) -> None:
+        if submit is not None and not submit.done():
+            await asyncio.wait([submit])  # an Abort that overtakes its Submit would find nothing
+        try:
+            await worker.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError:
+            pass  # NOT_FOUND (already finished or never arrived) or the worker is gone
+        except asyncio.CancelledError:
+            pass
+
+    def _describe_break(self, attempt: Attempt) -> str:
+        if attempt.lost is not None:
+            return f"worker {attempt.lost} was removed"
+        exc = attempt.submit_error
+        if exc.code() not in RETRYABLE:
+            raise errors.from_worker(exc.code(), exc.details() or "") from None
+        return f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
+
+    async def _diagnose(self, attempt: Attempt) -> None:
+        """Probe the pair after a break so a dead worker is out before the next pick."""
+        probes = [self.registry.probe(attempt.decode.address)]
+        if attempt.prefill.address != attempt.decode.address:
+            probes.append(self.registry.probe(attempt.prefill.address))
+        await asyncio.gather(*probes)
+
+    def _worker_removed(self, worker: WorkerState) -> None:
+        self.prefill_policy.forget(worker.address)
+        self.decode_policy.forget(worker.address)
+        for attempt in list(self._attempts.pop(worker.address, ())):
+            if attempt.decode is worker or not attempt.prefill_done:
+                attempt.lost = worker.address
+                attempt.call.cancel()
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task

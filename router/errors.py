@@ -1,0 +1,64 @@
+"""Errors a request can end with, and their HTTP status, OpenAI error type and gRPC code (router process)."""
+from __future__ import annotations
+
+import grpc
+
+
+class RouterError(Exception):
+    """A request failed in a way the client should hear about, in either API's terms."""
+
+    def __init__(self, http_status: int, grpc_code: grpc.StatusCode, message: str, error_type: str,
+                 param: str | None = None, code: str | None = None, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+        self.grpc_code = grpc_code
+        self.message = message
+        self.error_type = error_type
+        self.param = param
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+    def to_json(self) -> dict:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param, "code": self.code}}
+
+
+def invalid_request(message: str, param: str | None = None) -> RouterError:
+    return RouterError(400, grpc.StatusCode.INVALID_ARGUMENT, message, "invalid_request_error", param)
+
+
+def unauthorized() -> RouterError:
+    return RouterError(401, grpc.StatusCode.UNAUTHENTICATED, "invalid API key: pass it as 'Authorization: Bearer KEY'",
+                       "authentication_error", code="invalid_api_key")
+
+
+def model_not_found(model: str, served: str) -> RouterError:
+    return RouterError(404, grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist; this router serves "
+                       f"{served!r}", "invalid_request_error", "model", "model_not_found")
+
+
+def overloaded(num_waiting: int, max_waiting: int) -> RouterError:
+    return RouterError(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"too many requests waiting ({num_waiting} >= max_waiting={max_waiting}); retry later",
+                       "rate_limit_error", code="queue_full", retry_after_s=1)
+
+
+def unavailable(message: str) -> RouterError:
+    return RouterError(503, grpc.StatusCode.UNAVAILABLE, message, "service_unavailable", code="no_worker")
+
+
+def internal(message: str) -> RouterError:
+    return RouterError(500, grpc.StatusCode.INTERNAL, message, "internal_error")
+
+
+_FROM_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+              grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+              grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+              grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+              grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable")}
+
+
+def from_worker(code: grpc.StatusCode, details: str) -> RouterError:
+    """A worker's refusal, passed on to the client."""
+    status, error_type = _FROM_GRPC.get(code, (500, "internal_error"))
+    return RouterError(status, code if status != 500 else grpc.StatusCode.INTERNAL, f"worker: {details}", error_type)

@@ -1,0 +1,143 @@
+"""In-process twins of the prefill and decode workers, for router tests and the router benchmark.
+
+Real grpc.aio servers on port 0 speaking worker.proto, so the router talks to them exactly as
+to real workers. The fake decode worker streams a deterministic function of the sequence so far
+(``next_token``), one token per ``token_interval_s``; a request resumed from prompt + generated
+tokens therefore continues with the same tokens, like a greedy model. ``kv_blocks_used`` is the
+number of open streams, so "no blocks left in use" can be asserted. No torch, no engine.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+FIRST_FAKE_TOKEN = 1000
+NUM_FAKE_TOKENS = 4000
+
+
+def next_token(seq: Sequence[int]) -> int:
+    return FIRST_FAKE_TOKEN + (seq[-1] * 31 + len(seq) * 17) % NUM_FAKE_TOKENS
+
+
+def fake_completion(prompt_token_ids: Sequence[int], num_tokens: int) -> list[int]:
+    seq = list(prompt_token_ids)
+    for _ in range(num_tokens):
+        seq.append(next_token(seq))
+    return seq[len(prompt_token_ids):]
+
+
+@dataclass
+class FakeState:
+    model: str = "fake-model"
+    max_model_len: int = 256
+    kv_blocks_total: int = 1000
+    active: set[str] = field(default_factory=set)
+    seen: list[str] = field(default_factory=list)        # request ids, in arrival order
+    aborted: list[str] = field(default_factory=list)
+
+    def stats(self, role: str) -> worker_pb2.StatsResponse:
+        return worker_pb2.StatsResponse(role=role, num_running=len(self.active), kv_blocks_used=len(self.active),
+                                        kv_blocks_total=self.kv_blocks_total, model=self.model,
+                                        max_model_len=self.max_model_len)
+
+
+class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, state: FakeState) -> None:
+        self.state = state
+
+    async def Submit(self, request, context):
+        self.state.seen.append(request.request_id)
+        return worker_pb2.SubmitResponse()
+
+    async def SetDestination(self, request, context):
+        return worker_pb2.SetDestinationResponse()
+
+    async def Abort(self, request, context):
+        self.state.aborted.append(request.request_id)
+        await context.abort(grpc.StatusCode.NOT_FOUND, "fake prefill keeps nothing")
+
+    async def Stats(self, request, context):
+        return self.state.stats("prefill")
+
+
+class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, state: FakeState, token_interval_s: float = 0.0, fail_after_tokens: int | None = None) -> None:
+        self.state = state
+        self.token_interval_s = token_interval_s
+        self.fail_after_tokens = fail_after_tokens   # end each stream with UNAVAILABLE after this many
+        self._cancel: dict[str, asyncio.Event] = {}
+
+    async def Generate(self, request, context):
+        rid = request.request_id
+        if rid in self.state.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id={rid!r} is running")
+        self.state.active.add(rid)
+        self.state.seen.append(rid)
+        params = request.sampling
+        seq = list(request.prompt_token_ids)
+        max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
+        stops = set(params.stop_token_ids)
+        try:
+            for i in range(max_tokens):
+                if self.token_interval_s:
+                    await asyncio.sleep(self.token_interval_s)
+                if self.fail_after_tokens is not None and i >= self.fail_after_tokens:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode failure")
+                token = next_token(seq)
+                seq.append(token)
+                response = worker_pb2.GenerateResponse(token_ids=[token])
+                if params.HasField("logprobs"):
+                    top = [token] + [FIRST_FAKE_TOKEN + j for j in range(params.logprobs) if FIRST_FAKE_TOKEN + j != token]
+                    response.logprobs.append(worker_pb2.TokenLogprobs(
+                        token_id=token, logprob=-0.5, top_token_ids=top[:max(params.logprobs, 0)],
+                        top_logprobs=[-0.5 - k for k in range(min(len(top), params.logprobs))]))
+                stopped = token in stops and not params.ignore_eos
+                if stopped or i == max_tokens - 1:
+                    response.finish_reason = "stop" if stopped else "length"
+                    response.num_prompt_tokens = len(request.prompt_token_ids)
+                    response.num_output_tokens = i + 1
+                yield response
+                if response.finish_reason:
+                    return
+        finally:
+            self.state.active.discard(rid)
+
+    async def Abort(self, request, context):
+        self.state.aborted.append(request.request_id)
+        if request.request_id not in self.state.active:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "not running")
+        return worker_pb2.AbortResponse()
+
+    async def Stats(self, request, context):
+        return self.state.stats("decode")
+
+
+class FakeWorker:
+    """A fake worker's server; ``address`` once started. ``stop()`` is the twin of a dead process."""
+
+    def __init__(self, role: str, **options) -> None:
+        self.role = role
+        self.state = FakeState(**{k: options.pop(k) for k in ("model", "max_model_len") if k in options})
+        self.servicer = FakePrefill(self.state) if role == "prefill" else FakeDecode(self.state, **options)
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    async def start(self, host: str = "127.0.0.1") -> FakeWorker:
+        self.server = grpc.aio.server()
+        add = (worker_pb2_grpc.add_PrefillWorkerServicer_to_server if self.role == "prefill"
+               else worker_pb2_grpc.add_DecodeWorkerServicer_to_server)
+        add(self.servicer, self.server)
+        port = self.server.add_insecure_port(f"{host}:0")
+        await self.server.start()
+        self.address = f"{host}:{port}"
+        return self
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self.server is not None:
+            await self.server.stop(grace_s)
+            self.server = None

@@ -1,0 +1,153 @@
+"""What both public APIs call (router process): validate, tokenize, dispatch, detokenize, stop.
+
+``Frontend.prepare_*`` turns a public request into a ``PreparedRequest`` (or raises
+RouterError); ``Frontend.stream`` yields ``TextChunk``s: text deltas with their token ids, the
+last one with finish_reason and usage. Closing the stream early (client gone) or a stop string
+aborts the request at both workers through the dispatcher.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import jinja2
+
+from engine.tokenizer import Tokenizer
+from protos.tandem.v1 import tandem_pb2, worker_pb2
+from router import errors
+from router.dispatch import Dispatcher
+from router.metrics import RouterMetrics
+from router.registry import WorkerRegistry
+from router.sampling import prepare_sampling
+from router.text_stream import TextStream
+
+MAX_REQUEST_ID_CHARS = 200   # the workers accept 256; retries append ".retryN"
+MAX_PROMPT_CHARS = 4 << 20
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: worker_pb2.SamplingParams
+    stop: tuple[str, ...]
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class TextChunk:
+    text: str
+    token_ids: list[int]
+    logprobs: list[worker_pb2.TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer, registry: WorkerRegistry, dispatcher: Dispatcher,
+                 metrics: RouterMetrics, model_name: str, max_waiting: int) -> None:
+        self.tokenizer = tokenizer
+        self.registry = registry
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+        self.model_name = model_name
+        self.max_waiting = max_waiting
+
+    # -- preparing --------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model and model != self.model_name:
+            raise errors.model_not_found(model, self.model_name)
+
+    def _request_id(self, given: str) -> str:
+        if len(given) > MAX_REQUEST_ID_CHARS:
+            raise errors.invalid_request(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters", "request_id")
+        return given or uuid.uuid4().hex
+
+    def prepare_prompt(self, prompt: str, prompt_token_ids: Sequence[int], sampling: tandem_pb2.Sampling,
+                       request_id: str = "", default_max_tokens: int | None = 16) -> PreparedRequest:
+        if bool(prompt) == bool(prompt_token_ids):
+            raise errors.invalid_request("give exactly one of prompt (text) and prompt_token_ids", "prompt")
+        if prompt:
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise errors.invalid_request(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = [int(t) for t in prompt_token_ids]
+            vocab = self.tokenizer.vocab_size
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise errors.invalid_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
+        if not token_ids:
+            raise errors.invalid_request("the prompt is empty", "prompt")
+        return self._prepare(token_ids, sampling, request_id, default_max_tokens)
+
+    def prepare_chat(self, messages: list[dict], sampling: tandem_pb2.Sampling, request_id: str = "",
+                     default_max_tokens: int | None = None) -> PreparedRequest:
+        if not messages:
+            raise errors.invalid_request("messages is empty", "messages")
+        try:
+            token_ids = self.tokenizer.encode_chat(messages)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            raise errors.invalid_request(f"the chat template refused the messages: {exc}", "messages") from None
+        return self._prepare(token_ids, sampling, request_id, default_max_tokens)
+
+    def _prepare(self, token_ids: list[int], sampling: tandem_pb2.Sampling, request_id: str,
+                 default_max_tokens: int | None) -> PreparedRequest:
+        prepared = prepare_sampling(sampling, len(token_ids), self.registry.max_model_len, default_max_tokens)
+        return PreparedRequest(self._request_id(request_id), token_ids, prepared.params, prepared.stop)
+
+    def admit(self) -> None:
+        """Raise before streaming starts if the request cannot be taken now (429 / 503)."""
+        for role in ("prefill", "decode"):
+            if not self.registry.healthy(role):
+                raise errors.unavailable(f"no {role} worker is available")
+        if self.dispatcher.num_waiting >= self.max_waiting:
+            raise errors.overloaded(self.dispatcher.num_waiting, self.max_waiting)
+
+    # -- streaming --------------------------------------------------------------------------
+
+    async def stream(self, request: PreparedRequest) -> AsyncIterator[TextChunk]:
+        text = TextStream(self.tokenizer, request.stop)
+        start_s = last_s = time.perf_counter()
+        num_output_tokens = 0
+        events = self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params)
+        self.metrics.running.inc()
+        try:
+            async for event in events:
+                now_s = time.perf_counter()
+                if event.token_ids:
+                    (self.metrics.ttft if num_output_tokens == 0 else self.metrics.itl).observe(now_s - last_s)
+                    last_s = now_s
+                    num_output_tokens += len(event.token_ids)
+                delta = text.add(event.token_ids)
+                finish = "stop" if text.stopped else event.finish_reason
+                if finish is None:
+                    yield TextChunk(delta, event.token_ids, event.logprobs)
+                    continue
+                if not text.stopped:
+                    delta += text.finish()
+                usage = Usage(len(request.prompt_token_ids), num_output_tokens, event.num_cached_tokens)
+                self._count_finish(finish, usage, now_s - start_s)
+                yield TextChunk(delta, event.token_ids, event.logprobs, finish, usage)
+                return
+        except errors.RouterError as exc:
+            self.metrics.errors.labels(str(exc.http_status)).inc()
+            raise
+        finally:
+            self.metrics.running.dec()
+            await events.aclose()
+
+    def _count_finish(self, finish: str, usage: Usage, latency_s: float) -> None:
+        self.metrics.requests.labels(finish).inc()
+        self.metrics.prompt_tokens.inc(usage.prompt_tokens)
+        self.metrics.generation_tokens.inc(usage.completion_tokens)
+        self.metrics.e2e.observe(latency_s)

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the router process, vLLM-style names with the tandem_ prefix.
+
+Each Router owns its own CollectorRegistry (no module-level state), served on GET /metrics.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class RouterMetrics:
+    def __init__(self, num_waiting: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tandem_num_requests_running", "Requests streaming at the router", registry=r)
+        waiting = Gauge("tandem_num_requests_waiting", "Requests waiting for their first token", registry=r)
+        waiting.set_function(num_waiting)
+        self.requests = Counter("tandem_request_success", "Finished requests by finish reason",
+                                ["finished_reason"], registry=r)
+        self.errors = Counter("tandem_request_errors", "Requests ended by an error, by HTTP status",
+                              ["status"], registry=r)
+        self.failovers = Counter("tandem_request_failovers", "Requests re-dispatched to a new worker pair",
+                                 registry=r)
+        self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens streamed", registry=r)
+        self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS_S)
+        self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed chunks", registry=r,
+                             buckets=LATENCY_BUCKETS_S)
+        self.e2e = Histogram("tandem_e2e_request_latency_seconds", "Request latency", registry=r,
+                             buckets=LATENCY_BUCKETS_S)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,119 @@
+"""The router process's servers: grpc.aio (Tandem + health + reflection) and uvicorn on ONE loop.
+
+``Router(config)`` builds tokenizer, registry, policies, dispatcher and both APIs; ``start()``
+binds (ports may be 0), starts heartbeats and both servers; ``stop()`` stops everything it
+started and is safe to call twice. Tests run it in-process; ``python -m router`` runs it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import grpc
+import uvicorn
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.tokenizer import Tokenizer
+from protos.tandem.v1 import tandem_pb2_grpc
+from router.config import RouterConfig
+from router.dispatch import Dispatcher
+from router.frontend import Frontend
+from router.grpc_api import SERVICE_NAME, ApiKeyInterceptor, TandemServicer
+from router.http_api import create_app
+from router.metrics import RouterMetrics
+from router.policies import make_policy
+from router.registry import MAX_MESSAGE_BYTES, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+
+class _UvicornServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # the router process owns SIGINT/SIGTERM (router.__main__)
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+        self.config = config
+        self.tokenizer = tokenizer or Tokenizer.from_model(config.model)
+        self.http_address = ""
+        self.grpc_address = ""
+        self._grpc: grpc.aio.Server | None = None
+        self._http: _UvicornServer | None = None
+        self._http_task: asyncio.Task | None = None
+        self._started = False
+
+    async def start(self) -> Router:
+        c = self.config
+        self.registry = WorkerRegistry(c.heartbeat_interval_s, c.heartbeat_timeout_s, c.max_missed_heartbeats)
+        self.dispatcher = Dispatcher(self.registry, make_policy(c.prefill_policy), make_policy(c.decode_policy),
+                                     c.max_attempts, c.rpc_timeout_s, on_failover=lambda _: self.metrics.failovers.inc())
+        self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
+        self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c.model_name,
+                                 c.max_waiting)
+        for role, addresses in (("prefill", c.prefill), ("decode", c.decode)):
+            for address in addresses:
+                self.registry.add(role, address)
+        self.registry.start()
+        self._started = True
+        await self._start_grpc()
+        if c.http_port >= 0:
+            await self._start_http()
+        return self
+
+    async def _start_grpc(self) -> None:
+        c = self.config
+        interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
+        server = self._grpc = grpc.aio.server(interceptors=interceptors, options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.frontend), server)
+        health_servicer = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        port = server.add_insecure_port(f"{c.host}:{c.grpc_port}")
+        if port == 0:
+            raise OSError(f"cannot bind gRPC to {c.host}:{c.grpc_port}")
+        await server.start()
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self.grpc_address = f"{c.host}:{port}"
+
+    async def _start_http(self) -> None:
+        c = self.config
+        sock = socket.socket(socket.AF_INET6 if ":" in c.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((c.host, c.http_port))
+        sock.set_inheritable(True)
+        app = create_app(self.frontend, c.api_key)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2, backlog=2048)
+        self._http = _UvicornServer(config)
+        self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="router-http")
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise OSError("the HTTP server exited at startup")
+            await asyncio.sleep(0.01)
+        self.http_address = f"{c.host}:{sock.getsockname()[1]}"
+
+    async def stop(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        if self._http is not None:
+            self._http.should_exit = True
+            await asyncio.gather(self._http_task, return_exceptions=True)
+        if self._grpc is not None:
+            await self._grpc.stop(grace=1.0)
+        await self.registry.stop()
+        await self.dispatcher.close()
+
+    async def __aenter__(self) -> Router:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

@@ -1,0 +1,96 @@
+"""Fixtures for the router tests: an asyncio loop on a thread, fake workers, an in-process router.
+
+The router and the fake workers (router.fake_workers, the in-process twins of the worker
+processes) run on one background loop, so the tests can drive them with blocking clients
+(openai, httpx, TandemClient) exactly as users do.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.fake_workers import FakeWorker
+from router.server import Router
+
+MODEL = "smollm2-135m-instruct"
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="router-test-loop", daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout_s: float = 60.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop(self) -> None:
+        async def drain() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.run(drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model(MODEL)
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@dataclass
+class FakeCluster:
+    router: Router
+    prefills: list[FakeWorker] = field(default_factory=list)
+    decodes: list[FakeWorker] = field(default_factory=list)
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.router.http_address}"
+
+    @property
+    def workers(self) -> list[FakeWorker]:
+        return self.prefills + self.decodes
+
+
+async def start_fake_cluster(tokenizer: Tokenizer, num_prefill: int = 1, num_decode: int = 1,
+                             decode_options: dict | None = None, **router_options) -> FakeCluster:
+    prefills = [await FakeWorker("prefill").start() for _ in range(num_prefill)]
+    decodes = [await FakeWorker("decode", **(decode_options or {})).start() for _ in range(num_decode)]
+    config = RouterConfig(model=MODEL, http_port=0, grpc_port=0, prefill=tuple(w.address for w in prefills),
+                          decode=tuple(w.address for w in decodes), heartbeat_interval_s=0.2,
+                          heartbeat_timeout_s=1.0, **router_options)
+    router = await Router(config, tokenizer).start()
+    await router.registry.wait_healthy("prefill", num_prefill)
+    await router.registry.wait_healthy("decode", num_decode)
+    return FakeCluster(router, prefills, decodes)
+
+
+async def stop_fake_cluster(cluster: FakeCluster) -> None:
+    await cluster.router.stop()
+    for worker in cluster.workers:
+        await worker.stop()
+
+
+@pytest.fixture(scope="module")
+def fake_cluster(loop_thread, tokenizer) -> Iterator[FakeCluster]:
+    """One router over one fake prefill + one fake decode worker, shared by a module."""
+    cluster = loop_thread.run(start_fake_cluster(tokenizer))
+    yield cluster
+    loop_thread.run(stop_fake_cluster(cluster))
