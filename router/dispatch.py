@@ -54,6 +54,7 @@ class Attempt:
     submit_error: grpc.aio.AioRpcError | None = None
     lost: str | None = None            # address of a worker the registry removed mid-attempt
     prefill_done: bool = False         # first token seen (or attempt over): P no longer involved
+    streamed: bool = False             # D streamed something: P did its part
     finished: bool = False
 
 
@@ -87,17 +88,19 @@ class Dispatcher:
         progress = _Progress(list(prompt_token_ids),
                              sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
         waiting = True
+        avoid: set[str] = set()
         self.num_waiting += 1
         try:
             for attempt_no in range(self.max_attempts):
                 attempt_id = request_id if attempt_no == 0 else f"{request_id}.retry{attempt_no}"
-                attempt = self._start(attempt_id, progress, sampling)
+                attempt = self._start(attempt_id, progress, sampling, avoid)
                 try:
                     async for response in attempt.call:
                         if response.token_ids and waiting:
                             waiting = False
                             self.num_waiting -= 1
                         if response.token_ids or response.finish_reason:
+                            attempt.streamed = True
                             self._prefill_done(attempt)
                         progress.output_token_ids += response.token_ids
                         event = TokenEvent(list(response.token_ids), list(response.logprobs))
@@ -121,6 +124,7 @@ class Dispatcher:
                     failure = self._describe_break(attempt)
                 finally:
                     self._end(attempt)
+                avoid |= self._suspects(attempt)
                 await self._diagnose(attempt)
                 if len(progress.output_token_ids) >= progress.max_tokens:
                     # The stream broke after the last token but before its finish message.
@@ -143,19 +147,23 @@ class Dispatcher:
 
     # -- one attempt ------------------------------------------------------------------------
 
-    def _pick(self, role: str, policy: Policy, prompt: list[int]) -> WorkerState:
+    def _pick(self, role: str, policy: Policy, prompt: list[int], avoid: set[str]) -> WorkerState:
         workers = self.registry.healthy(role)
         if not workers:
             raise errors.unavailable(f"no {role} worker is available")
-        return policy.choose(workers, prompt)
+        # A retry avoids the workers of broken attempts while others are left (they may answer
+        # heartbeats and still fail requests).
+        fresh = [w for w in workers if w.address not in avoid]
+        return policy.choose(fresh or workers, prompt)
 
-    def _start(self, attempt_id: str, progress: _Progress, sampling: worker_pb2.SamplingParams) -> Attempt:
+    def _start(self, attempt_id: str, progress: _Progress, sampling: worker_pb2.SamplingParams,
+               avoid: set[str]) -> Attempt:
         prompt = progress.prompt_token_ids + progress.output_token_ids
         params = worker_pb2.SamplingParams()
         params.CopyFrom(sampling)
         params.max_tokens = progress.max_tokens - len(progress.output_token_ids)
-        prefill = self._pick("prefill", self.prefill_policy, prompt)
-        decode = self._pick("decode", self.decode_policy, prompt)
+        prefill = self._pick("prefill", self.prefill_policy, prompt, avoid)
+        decode = self._pick("decode", self.decode_policy, prompt, avoid)
         attempt = Attempt(attempt_id, prefill, decode)
         attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
             request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
@@ -212,6 +220,14 @@ class Dispatcher:
         if exc.code() not in RETRYABLE:
             raise errors.from_worker(exc.code(), exc.details() or "") from None
         return f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
+
+    @staticmethod
+    def _suspects(attempt: Attempt) -> set[str]:
+        if attempt.lost is not None:
+            return {attempt.lost}
+        if attempt.submit_error is not None or not attempt.streamed:
+            return {attempt.prefill.address, attempt.decode.address}
+        return {attempt.decode.address}
 
     async def _diagnose(self, attempt: Attempt) -> None:
         """Probe the pair after a break so a dead worker is out before the next pick."""

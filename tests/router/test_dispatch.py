@@ -1,0 +1,138 @@
+"""Dispatch against fake workers: failover keeps one unbroken stream, disconnects abort at both
+workers, 256 concurrent streams complete, registry membership and shutdown."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import msgpack
+import pytest
+
+from protos.tandem.v1 import tandem_pb2
+from router.client import AsyncTandemClient
+from router.fake_workers import FakeWorker, fake_completion
+from tests.router.conftest import start_fake_cluster, stop_fake_cluster
+
+
+def run(loop_thread, tokenizer, body, timeout_s: float = 60.0, **cluster_options):
+    async def main():
+        cluster = await start_fake_cluster(tokenizer, **cluster_options)
+        try:
+            return await body(cluster)
+        finally:
+            await stop_fake_cluster(cluster)
+    return loop_thread.run(main(), timeout_s)
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition never held")
+
+
+def test_a_failing_decode_worker_is_replaced_mid_stream_without_gaps(loop_thread, tokenizer):
+    async def body(cluster):
+        bad, good = cluster.decodes
+        bad.servicer.fail_after_tokens = 3
+        good.servicer.fail_after_tokens = None
+        cluster.router.registry.get(good.address).num_inflight = 1   # make least_load pick `bad` first
+        prompt = [11, 12, 13]
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            chunks = [c async for c in client.generate_stream(prompt, max_tokens=10, temperature=0)]
+        cluster.router.registry.get(good.address).num_inflight -= 1
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == fake_completion(prompt, 10)
+        assert chunks[-1].usage.completion_tokens == 10 and chunks[-1].usage.prompt_tokens == 3
+        assert any(rid.endswith(".retry1") for rid in good.state.seen)
+    run(loop_thread, tokenizer, body, num_decode=2)
+
+
+def test_a_dead_prefill_worker_is_removed_and_requests_go_elsewhere(loop_thread, tokenizer):
+    async def body(cluster):
+        dead = cluster.prefills[0]
+        await dead.stop()
+        await until(lambda: len(cluster.router.registry.healthy("prefill")) == 1)
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            out = await client.generate([5, 6, 7], max_tokens=4)
+        assert out.token_ids == fake_completion([5, 6, 7], 4)
+        assert cluster.router.registry.get(dead.address) is None
+    run(loop_thread, tokenizer, body, num_prefill=2)
+
+
+def test_client_disconnect_aborts_at_both_workers(loop_thread, tokenizer):
+    async def body(cluster):
+        decode, prefill = cluster.decodes[0], cluster.prefills[0]
+        async with httpx.AsyncClient(base_url=cluster.http) as http:
+            async with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 200,
+                                                                    "stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        break                       # leave after the first chunk
+        await until(lambda: not decode.state.active)
+        await until(lambda: decode.state.aborted and prefill.state.aborted)
+        assert decode.state.aborted[0] == prefill.state.aborted[0]
+        await until(lambda: cluster.router.dispatcher.num_waiting == 0)
+        assert all(w.num_inflight == 0 for w in cluster.router.registry.all())
+    run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.02})
+
+
+def test_256_concurrent_streams_complete(loop_thread, tokenizer):
+    async def body(cluster):
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            async def one(i: int):
+                return [c async for c in client.generate_stream([100 + i, 7], max_tokens=8)]
+            results = await asyncio.gather(*(one(i) for i in range(256)))
+        for i, chunks in enumerate(results):
+            assert [t for c in chunks for t in c.token_ids] == fake_completion([100 + i, 7], 8)
+        assert sum(w.state.seen.__len__() for w in cluster.decodes) == 256
+        assert not any(w.state.active for w in cluster.decodes)
+    run(loop_thread, tokenizer, body, timeout_s=120, num_decode=2, decode_options={"token_interval_s": 0.01})
+
+
+def test_register_and_deregister_rpcs_change_membership(loop_thread, tokenizer):
+    async def body(cluster):
+        extra = await FakeWorker("decode").start()
+        try:
+            stub_call = cluster.router.registry
+            from protos.tandem.v1 import tandem_pb2_grpc
+            import grpc
+            async with grpc.aio.insecure_channel(cluster.router.grpc_address) as channel:
+                stub = tandem_pb2_grpc.TandemStub(channel)
+                await stub.RegisterWorker(tandem_pb2.RegisterWorkerRequest(role="decode", address=extra.address))
+                await until(lambda: len(stub_call.healthy("decode")) == 2)
+                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                    await stub.RegisterWorker(tandem_pb2.RegisterWorkerRequest(role="judge", address="a:1"))
+                assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                found = await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=extra.address))
+                assert found.found and len(stub_call.healthy("decode")) == 1
+                cluster_view = await stub.GetCluster(tandem_pb2.GetClusterRequest())
+                assert extra.address not in {w.address for w in cluster_view.workers}
+        finally:
+            await extra.stop()
+    run(loop_thread, tokenizer, body)
+
+
+def test_router_stop_ends_every_task_it_started(loop_thread, tokenizer):
+    async def main():
+        before = set(asyncio.all_tasks())
+        cluster = await start_fake_cluster(tokenizer)
+        await cluster.router.stop()
+        await cluster.router.stop()            # idempotent
+        for worker in cluster.workers:
+            await worker.stop()
+        await asyncio.sleep(0.05)
+        return {t for t in asyncio.all_tasks() if t not in before and not t.done()} - {asyncio.current_task()}
+    assert loop_thread.run(main()) == set()
+
+
+def test_largest_ids_round_trip_through_proto_and_msgpack():
+    big = 2**63 - 1
+    chunk = tandem_pb2.CompletionChunk(request_id="r" * 200, token_ids=[0, big],
+                                       logprobs=[tandem_pb2.TokenLogprob(token_id=big)])
+    back = tandem_pb2.CompletionChunk.FromString(chunk.SerializeToString())
+    assert list(back.token_ids) == [0, big] and back.logprobs[0].token_id == big
+    assert msgpack.unpackb(msgpack.packb(list(back.token_ids))) == [0, big]
+    sampling = tandem_pb2.Sampling(seed=big, stop_token_ids=[big])
+    assert tandem_pb2.Sampling.FromString(sampling.SerializeToString()).seed == big
