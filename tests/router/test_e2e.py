@@ -1,0 +1,195 @@
+"""End to end with real worker processes on the tiny random-weight model (tests/engine/conftest.py):
+the openai client and the SDK agree, disconnects free every block, and kill -9 of a prefill or a
+decode worker mid-stream leaves every request complete with the undisturbed greedy text."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from engine.tokenizer import Tokenizer
+from router.client import TandemClient
+from router.config import RouterConfig
+from router.server import Router
+# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
+from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+NAME = "tiny"
+
+
+class WorkerProcess:
+    def __init__(self, role: str, model: Path, log_dir: Path) -> None:
+        self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")
+        cmd = [sys.executable, "-m", f"{role}_worker", "--model", str(model), "--port", "0", "--metrics-port", "-1",
+               "--dtype", "float32", "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "256",
+               "--block-size", "16", "--kv-lease-s", "3"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, env=env)
+        buf, deadline = b"", time.monotonic() + 120
+        while b"TANDEM_WORKER_READY " not in buf:
+            assert time.monotonic() < deadline and self.proc.poll() is None, f"{role} worker did not start"
+            if select.select([self.proc.stdout], [], [], 0.2)[0]:
+                buf += os.read(self.proc.stdout.fileno(), 4096)
+        line = next(x for x in buf.decode().splitlines() if x.startswith("TANDEM_WORKER_READY "))
+        self.address = json.loads(line.split(" ", 1)[1])["grpc"]
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc.stdout.close()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir, tmp_path_factory, loop_thread):
+    model = tiny_model_dir("llama")
+    logs = tmp_path_factory.mktemp("router-e2e")
+    workers = {"prefill": [], "decode": []}
+    try:
+        for role in ("prefill", "prefill", "decode", "decode"):
+            workers[role].append(WorkerProcess(role, model, logs))
+        config = RouterConfig(model=str(model), served_model_name=NAME, http_port=0, grpc_port=0,
+                              prefill=tuple(w.address for w in workers["prefill"]),
+                              decode=tuple(w.address for w in workers["decode"]),
+                              heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0)
+
+        async def start():
+            router = await Router(config, Tokenizer.from_model(str(model))).start()
+            await router.registry.wait_healthy("prefill", 2)
+            await router.registry.wait_healthy("decode", 2)
+            return router
+        router = loop_thread.run(start())
+        yield router, workers
+        loop_thread.run(router.stop())
+    finally:
+        for w in workers["prefill"] + workers["decode"]:
+            w.stop()
+
+
+def _client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _greedy_texts(client, prompts: list[str], max_tokens: int) -> list[str]:
+    return [client.completions.create(model=NAME, prompt=p, max_tokens=max_tokens, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text for p in prompts]
+
+
+def _wait_no_blocks(router, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    with TandemClient(router.grpc_address) as sdk:
+        while True:
+            used = {w.address: w.kv_blocks_used for w in sdk.cluster() if w.healthy}
+            if not any(used.values()):
+                return
+            assert time.monotonic() < deadline, f"blocks still used: {used}"
+            time.sleep(0.2)
+
+
+def test_openai_client_sdk_and_streaming_agree(cluster):
+    router, _ = cluster
+    client = _client(router)
+    full = client.completions.create(model=NAME, prompt="The quick brown fox", max_tokens=20, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=NAME, prompt="The quick brown fox", max_tokens=20, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert streamed == full.choices[0].text and full.usage.completion_tokens == 20
+    with TandemClient(router.grpc_address) as sdk:
+        out = sdk.generate("The quick brown fox", max_tokens=20, temperature=0.0, ignore_eos=True)
+        assert out.text == full.choices[0].text and len(out.token_ids) == 20
+        chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=8,
+                                              temperature=0, extra_body={"ignore_eos": True})
+        sdk_chat = sdk.chat([{"role": "user", "content": "Hi"}], max_tokens=8, temperature=0.0, ignore_eos=True)
+        assert sdk_chat.text == chat.choices[0].message.content
+        assert [m.id for m in sdk.models()] == [NAME] == [m.id for m in client.models.list().data]
+    assert httpx.get(f"http://{router.http_address}/v1/cluster").json()["workers"][0]["model"]
+
+
+def test_disconnect_mid_stream_leaves_no_blocks_used(cluster):
+    router, _ = cluster
+    client = _client(router)
+    for _ in range(3):
+        stream = client.completions.create(model=NAME, prompt="Tell me a story", max_tokens=200, stream=True,
+                                           temperature=0, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+    _wait_no_blocks(router)
+
+
+def _failover_run(router, kill, prompts: list[str], max_tokens: int) -> None:
+    client = _client(router)
+    expected = _greedy_texts(client, prompts, max_tokens)
+    results: list[str | None] = [None] * len(prompts)
+    counts = [0] * len(prompts)
+    started = threading.Barrier(len(prompts) + 1)
+
+    def one(i: int) -> None:
+        stream = client.completions.create(model=NAME, prompt=prompts[i], max_tokens=max_tokens, temperature=0,
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        parts, first = [], True
+        for chunk in stream:
+            if chunk.choices:
+                parts.append(chunk.choices[0].text)
+            if chunk.usage:
+                counts[i] = chunk.usage.completion_tokens
+            if first:
+                first = False
+                started.wait(60)
+        results[i] = "".join(parts)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    kill(started)
+    for t in threads:
+        t.join(120)
+    assert counts == [max_tokens] * len(prompts)
+    assert results == expected
+
+
+def test_kill_9_decode_worker_mid_stream(cluster):
+    router, workers = cluster
+    prompts = [f"Story number {i} begins" for i in range(6)]
+
+    def kill(started):
+        started.wait(60)                 # every stream has its first chunk
+        workers["decode"][0].kill9()
+    before = router.metrics.failovers._value.get()
+    _failover_run(router, kill, prompts, max_tokens=120)
+    assert router.metrics.failovers._value.get() > before
+    _wait_no_blocks(router)
+
+
+def test_kill_9_prefill_worker_mid_stream(cluster):
+    router, workers = cluster
+    prompts = [" ".join(["word"] * 150) + f" {i}" for i in range(6)]
+
+    def kill(started):
+        time.sleep(0.05)                 # requests are queued at both prefill workers
+        workers["prefill"][0].kill9()
+        started.wait(60)
+    _failover_run(router, kill, prompts, max_tokens=40)
+    _wait_no_blocks(router)
