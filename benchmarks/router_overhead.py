@@ -1,0 +1,155 @@
+"""Router overhead: added latency per request and sustained streamed requests/s.
+
+    python benchmarks/router_overhead.py [--tokens 8] [--pace-ms 1] [--requests 2000] [--concurrency 64]
+
+Three processes, like a deployment on one host: fake workers (router.fake_workers: real gRPC
+servers streaming one token per --pace-ms, no model), the router (`python -m router`), and this
+load generator. Added latency = a request's end-to-end time through the router (SDK -> router
+-> workers) minus the same request sent straight to the fake workers the way the router sends
+it (Generate on D + Submit on P), both at concurrency 1. Throughput = streamed requests
+completed per second through the router at --concurrency.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from router.client import AsyncTandemClient  # noqa: E402
+
+
+async def serve_fakes(pace_s: float) -> None:
+    from router.fake_workers import FakeWorker
+    prefill = await FakeWorker("prefill").start()
+    decode = await FakeWorker("decode", token_interval_s=pace_s).start()
+    print(json.dumps({"prefill": prefill.address, "decode": decode.address}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    await prefill.stop()
+    await decode.stop()
+
+
+def read_line(proc: subprocess.Popen, prefix: str = "") -> str:
+    while True:
+        line = proc.stdout.readline().decode()
+        if not line:
+            raise RuntimeError(f"process exited: rc={proc.poll()}")
+        if line.startswith(prefix):
+            return line[len(prefix):]
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def direct_once(decode, prefill, addresses, rid: str, prompt: list[int], tokens: int) -> float:
+    sampling = worker_pb2.SamplingParams(temperature=0.0, max_tokens=tokens)
+    start = time.perf_counter()
+    call = decode.Generate(worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                      prefill_address=addresses["prefill"]))
+    submit = prefill.Submit(worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                     decode_address=addresses["decode"]))
+    async for _ in call:
+        pass
+    await submit
+    return time.perf_counter() - start
+
+
+async def routed_once(client: AsyncTandemClient, prompt: list[int], tokens: int) -> float:
+    start = time.perf_counter()
+    async for _ in client.generate_stream(prompt, max_tokens=tokens, temperature=0.0):
+        pass
+    return time.perf_counter() - start
+
+
+async def measure(args, addresses: dict, router_grpc: str) -> None:
+    prompt = list(range(1000, 1016))
+    channels = {role: grpc.aio.insecure_channel(addr) for role, addr in addresses.items()}
+    decode = worker_pb2_grpc.DecodeWorkerStub(channels["decode"])
+    prefill = worker_pb2_grpc.PrefillWorkerStub(channels["prefill"])
+    async with AsyncTandemClient(router_grpc) as client:
+        for i in range(50):  # warm up both paths
+            await direct_once(decode, prefill, addresses, f"warm-{i}", prompt, args.tokens)
+            await routed_once(client, prompt, args.tokens)
+        direct, routed = [], []
+        for i in range(args.latency_requests):
+            direct.append(await direct_once(decode, prefill, addresses, f"d-{i}", prompt, args.tokens))
+            routed.append(await routed_once(client, prompt, args.tokens))
+        ms = 1000.0
+        print(f"latency, concurrency 1, {args.tokens} tokens at {args.pace_ms} ms/token, {args.latency_requests} requests:")
+        print(f"  direct to workers  p50 {pct(direct, .5) * ms:7.3f} ms  p99 {pct(direct, .99) * ms:7.3f} ms")
+        print(f"  through router     p50 {pct(routed, .5) * ms:7.3f} ms  p99 {pct(routed, .99) * ms:7.3f} ms")
+        print(f"  added by router    p50 {(pct(routed, .5) - pct(direct, .5)) * ms:7.3f} ms  "
+              f"p99 {(pct(routed, .99) - pct(direct, .99)) * ms:7.3f} ms  "
+              f"(mean {(statistics.mean(routed) - statistics.mean(direct)) * ms:.3f} ms)")
+
+        queue: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(args.requests):
+            queue.put_nowait(i)
+
+        async def worker() -> int:
+            done = 0
+            while not queue.empty():
+                queue.get_nowait()
+                await routed_once(client, prompt, args.tokens)
+                done += 1
+            return done
+        start = time.perf_counter()
+        done = sum(await asyncio.gather(*(worker() for _ in range(args.concurrency))))
+        elapsed = time.perf_counter() - start
+        print(f"throughput, concurrency {args.concurrency}: {done} streamed requests ({args.tokens} tokens each) in "
+              f"{elapsed:.2f} s = {done / elapsed:.0f} requests/s, {done * args.tokens / elapsed:.0f} tokens/s")
+    for channel in channels.values():
+        await channel.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8)
+    parser.add_argument("--pace-ms", type=float, default=1.0)
+    parser.add_argument("--latency-requests", type=int, default=300)
+    parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_fakes:
+        asyncio.run(serve_fakes(args.pace_ms / 1000.0))
+        return 0
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    fakes = subprocess.Popen([sys.executable, __file__, "--serve-fakes", "--pace-ms", str(args.pace_ms)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env)
+    router = None
+    try:
+        addresses = json.loads(read_line(fakes))
+        router = subprocess.Popen([sys.executable, "-m", "router", "--http-port", "-1", "--grpc-port", "0",
+                                   "--prefill", addresses["prefill"], "--decode", addresses["decode"],
+                                   "--max-waiting", "100000", "--log-level", "WARNING"],
+                                  stdout=subprocess.PIPE, cwd=ROOT, env=env)
+        ready = json.loads(read_line(router, "TANDEM_ROUTER_READY "))
+        time.sleep(1.5)  # first heartbeat marks the workers healthy
+        print(f"machine: {os.cpu_count()} CPUs; fake workers, router and this client are separate processes")
+        asyncio.run(measure(args, addresses, ready["grpc"]))
+    finally:
+        for proc in (router, fakes):
+            if proc is not None:
+                if proc is fakes:
+                    proc.stdin.close()
+                proc.terminate()
+                proc.wait(10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
