@@ -139,11 +139,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    from deploy.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Tandem: disaggregated LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _plan_parser(sub)
+    _bench_parser(sub)
     return parser
 
 
