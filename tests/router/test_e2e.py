@@ -127,6 +127,25 @@ def test_openai_client_sdk_and_streaming_agree(cluster):
     assert httpx.get(f"http://{router.http_address}/v1/cluster").json()["workers"][0]["model"]
 
 
+def test_tandem_bench_against_the_real_stack(cluster, tmp_path):
+    """`tandem bench` drives the router (over HTTP and gRPC) in front of real workers."""
+    router, _ = cluster
+    for backend, target in (("openai-chat", ["--base-url", f"http://{router.http_address}"]),
+                            ("grpc", ["--grpc-target", router.grpc_address])):
+        out = tmp_path / backend
+        proc = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "--backend", backend, *target,
+                               "--model", NAME, "--tokenizer", str(router.config.model), "--dataset", "random",
+                               "--input-len", "24", "--output-len", "6", "--num-prompts", "8", "--request-rate",
+                               "inf", "--max-concurrency", "4", "--ignore-eos", "--out", str(out), "--no-progress"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads((out / "results.json").read_text())["summary"]
+        assert summary["completed"] == 8 and summary["failed"] == 0, summary
+        assert summary["total_output_tokens"] == 48, summary
+        assert all((out / name).stat().st_size > 1000 for name in
+                   ("latency_cdf.png", "tokens_per_s.png", "ttft_vs_prompt_len.png"))
+
+
 def test_disconnect_mid_stream_leaves_no_blocks_used(cluster):
     router, _ = cluster
     client = _client(router)
