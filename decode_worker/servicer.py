@@ -116,7 +116,16 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if not finished:  # the client went away: free everything for this request now
                 request_id = request.request_id
                 self.loop.call(lambda: self.loop.abort(request_id))
-                aio_loop.create_task(self._abort_prefill(request.prefill_address, request_id))
+                aio_loop.create_task(self._abort_prefill(job.prefill_address, request_id))
+
+    async def SetPrefill(self, request: worker_pb2.SetPrefillRequest, context: grpc.aio.ServicerContext):
+        if not request.request_id or not request.prefill_address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prefill_address are required")
+        moved = await self.loop.run(lambda: self.loop.set_prefill(request.request_id, request.prefill_address))
+        if not moved:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"request_id={request.request_id!r} is not waiting for its KV here")
+        return worker_pb2.SetPrefillResponse()
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         found = await self.loop.run(lambda: self.loop.abort(request.request_id))

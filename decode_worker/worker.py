@@ -100,6 +100,17 @@ class DecodeLoop(EngineLoop):
                                       num_output_tokens=job.num_output_tokens))
         return True
 
+    def set_prefill(self, request_id: str, prefill_address: str) -> bool:
+        """Point a request that still waits for its KV at another prefill worker (the first one
+        died); the reservation stays. False when the request is unknown or already decoding."""
+        job = self.jobs.get(request_id)
+        if job is None or job.state == "running":
+            return False
+        job.prefill_address = prefill_address
+        if job.state == "transferring":
+            self.send_destination(job, self.descriptor)
+        return True
+
     def fail(self, request_id: str, reason: str) -> None:
         """End a request with an error (e.g. its prefill worker refused the destination)."""
         if self.abort(request_id, StreamEvent(error=reason)):

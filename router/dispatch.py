@@ -6,7 +6,9 @@ D. When an attempt breaks — P or D removed by the registry, the stream ends wi
 gRPC error, or Submit fails transiently — both workers are probed (a dead one is removed) and
 the request is dispatched again to a fresh pair with prompt + the tokens already streamed and
 the remaining ``max_tokens``, so the caller sees one unbroken token stream with nothing
-duplicated or missing. Retries use ``<request_id>.retry<N>`` so a worker still cleaning up the
+duplicated or missing. A prefill worker lost while its request still waits for KV is replaced
+in place (DESIGN.md §3.7): the prompt is re-submitted to another prefill worker and the decode
+worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``). Retries use ``<request_id>.retry<N>`` so a worker still cleaning up the
 old attempt never sees a clash.
 
 Cleanup of an unfinished attempt is synchronous (it runs while the caller is being cancelled):
@@ -50,6 +52,7 @@ class Attempt:
     prefill: WorkerState
     decode: WorkerState
     call: grpc.aio.UnaryStreamCall | None = None
+    submit_request: worker_pb2.SubmitRequest | None = None
     submit: asyncio.Task | None = None
     submit_error: grpc.aio.AioRpcError | None = None
     lost: str | None = None            # address of a worker the registry removed mid-attempt
@@ -167,19 +170,23 @@ class Dispatcher:
         attempt = Attempt(attempt_id, prefill, decode)
         attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
             request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
-        attempt.submit = self._spawn(self._submit(attempt, worker_pb2.SubmitRequest(
-            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)))
+        attempt.submit_request = worker_pb2.SubmitRequest(
+            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
+        attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
         for worker in (prefill, decode):
             worker.num_inflight += 1
             self._attempts.setdefault(worker.address, set()).add(attempt)
         return attempt
 
     async def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
+        prefill = attempt.prefill
         try:
-            await attempt.prefill.stub.Submit(request, timeout=self.rpc_timeout_s)
+            await prefill.stub.Submit(request, timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if attempt.finished or attempt.call.done():
                 return
+            if exc.code() in RETRYABLE and not await self.registry.probe(prefill.address):
+                return  # removed: _worker_removed moves the prompt to another prefill worker
             attempt.submit_error = exc
             attempt.call.cancel()
 
@@ -240,9 +247,44 @@ class Dispatcher:
         self.prefill_policy.forget(worker.address)
         self.decode_policy.forget(worker.address)
         for attempt in list(self._attempts.pop(worker.address, ())):
-            if attempt.decode is worker or not attempt.prefill_done:
+            if attempt.decode is worker:
                 attempt.lost = worker.address
                 attempt.call.cancel()
+            elif not attempt.prefill_done:
+                # Keep the decode worker's reservation: move the prompt to another prefill worker.
+                self._spawn(self._replace_prefill(attempt, worker))
+
+    async def _replace_prefill(self, attempt: Attempt, dead: WorkerState) -> None:
+        """Re-submit to another prefill worker and point the decode worker at it (DESIGN §3.7);
+        on any failure fall back to a whole new pair."""
+        try:
+            workers = [w for w in self.registry.healthy("prefill") if w.address != dead.address]
+            if not workers:
+                raise errors.unavailable("no other prefill worker is available")
+            new = self.prefill_policy.choose(workers, list(attempt.submit_request.prompt_token_ids))
+            await attempt.decode.stub.SetPrefill(worker_pb2.SetPrefillRequest(
+                request_id=attempt.request_id, prefill_address=new.address), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND and not attempt.finished:
+                attempt.prefill_done = True  # the KV already landed: the decode worker carries on
+                return
+            attempt.lost = dead.address
+            attempt.call.cancel()
+            return
+        except errors.RouterError:
+            attempt.lost = dead.address
+            attempt.call.cancel()
+            return
+        if attempt.finished:
+            return
+        logger.warning("prefill worker %s lost: request_id=%s moves to %s, keeping its decode reservation",
+                       dead.address, attempt.request_id, new.address)
+        if self.on_failover is not None:
+            self.on_failover(f"prefill worker {dead.address} was removed")
+        attempt.prefill = new
+        new.num_inflight += 1
+        self._attempts.setdefault(new.address, set()).add(attempt)
+        attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

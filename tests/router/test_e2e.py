@@ -202,13 +202,21 @@ def test_kill_9_decode_worker_mid_stream(cluster):
     _wait_no_blocks(router)
 
 
-def test_kill_9_prefill_worker_mid_stream(cluster):
+def test_kill_9_prefill_worker_mid_stream(cluster, caplog):
+    """Requests whose prefill worker dies move to the other prefill worker and keep their
+    decode reservation (DESIGN.md §3.7); every stream completes with the undisturbed text."""
     router, workers = cluster
     prompts = [" ".join(["word"] * 150) + f" {i}" for i in range(6)]
+    victim = workers["prefill"][0]
+    victim.proc.send_signal(signal.SIGSTOP)   # still "healthy" for a heartbeat or two: gets requests
 
     def kill(started):
-        time.sleep(0.05)                 # requests are queued at both prefill workers
-        workers["prefill"][0].kill9()
+        time.sleep(0.5)                       # requests now wait on the stopped worker
+        victim.kill9()
         started.wait(60)
-    _failover_run(router, kill, prompts, max_tokens=40)
+    before = router.metrics.failovers._value.get()
+    with caplog.at_level("WARNING", logger="router.dispatch"):
+        _failover_run(router, kill, prompts, max_tokens=40)
+    assert router.metrics.failovers._value.get() > before
+    assert "keeping its decode reservation" in caplog.text
     _wait_no_blocks(router)

@@ -106,6 +106,18 @@ class GenerateResponse(_message.Message):
     num_cached_tokens: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
+class SetPrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prefill_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prefill_address: str
+    def __init__(self, request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ...) -> None: ...
+
+class SetPrefillResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

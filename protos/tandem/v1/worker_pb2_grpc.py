@@ -240,6 +240,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.SetPrefill = channel.unary_unary(
+                '/tandem.v1.DecodeWorker/SetPrefill',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.SetPrefillRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.SetPrefillResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/Abort',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -256,6 +261,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPrefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -280,6 +291,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'SetPrefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPrefill,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.SetPrefillRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.SetPrefillResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -319,6 +335,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Generate',
             tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPrefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.DecodeWorker/SetPrefill',
+            tandem_dot_v1_dot_worker__pb2.SetPrefillRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.SetPrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
