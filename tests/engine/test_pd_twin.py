@@ -5,6 +5,7 @@ kvtransfer backend, with no processes and no gRPC. Outputs must equal the coloca
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 
@@ -35,10 +36,13 @@ def pair(tiny_model_dir):
         pool = d_engine.runner.kv_pool.tensor
         receiver = kvtransfer.create_receiver(pool, kvtransfer.KVLayout.of_pool(pool), "fake", fabric=fabric)
         prefill = PrefillLoop(p_engine, config, WorkerMetrics("prefill"), fabric=fabric)
+        prefills = {"in-process": prefill}
 
         def send_destination(job: DecodeJob, descriptor: bytes) -> None:  # the SetDestination RPC
             destination = Destination(list(job.transfer_block_ids), descriptor)
-            prefill.call(lambda: prefill.set_destination(job.request_id, destination))
+            target = prefills.get(job.prefill_address)
+            if target is not None:  # an unknown address is a prefill worker that died
+                target.call(lambda: target.set_destination(job.request_id, destination))
 
         decode = DecodeLoop(d_engine, config, WorkerMetrics("decode"), receiver, send_destination)
         prefill.start()
@@ -102,3 +106,35 @@ def test_pd_twin_retracts_under_a_small_decode_pool(pair, make_llm, tiny_model_d
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
     assert decode.engine.scheduler.num_retracted_total > 0
     assert decode.engine.allocator.num_used_blocks == 0
+
+
+def test_pd_twin_moves_a_request_to_another_prefill_worker(pair, make_llm, tiny_model_dir):
+    """The first prefill worker never answers; SetPrefill points the decode reservation at
+    the live one, which computes and ships the prompt."""
+    prefill, decode = pair()
+    prompt, params = [100 + j for j in range(23)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    decode.call(lambda: decode.add(DecodeJob("moved", prompt, params, "dead-prefill:1", events.put)))
+    deadline = time.monotonic() + 30
+    while "moved" not in decode.transferring:      # reserved, destination sent to the dead worker
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    moved = []
+    decode.call(lambda: moved.append(decode.set_prefill("moved", "in-process")))
+    prefill.call(lambda: prefill.submit(PrefillJob("moved", prompt, params, "in-process")))
+    tokens = []
+    while True:
+        event = events.get(timeout=60)
+        assert event.error is None, event.error
+        tokens += event.token_ids
+        if event.finish_reason is not None:
+            break
+    assert moved == [True]
+    assert tokens == _colocated(make_llm, tiny_model_dir, [prompt], [params])[0]
+    unknown = []
+    decode.call(lambda: unknown.append(decode.set_prefill("no-such-request", "in-process")))
+    deadline = time.monotonic() + 10
+    while not unknown:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert unknown == [False]
