@@ -20,6 +20,26 @@ from engine.capacity import capacity_lines  # noqa: F401 - logged at startup
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+SHM_PREFIX = "tandem-kv-"   # then "<pid>-<random>": the owner's pid, so stale pools can be found
+
+
+def sweep_stale_pools(directory: Path = SHM_DIR) -> list[Path]:
+    """Remove pools whose owning process is gone (a worker killed with SIGKILL cannot unlink
+    its own, and each one holds its whole size in RAM). Returns what was removed."""
+    removed = []
+    for path in directory.glob(f"{SHM_PREFIX}*"):
+        pid_text = path.name[len(SHM_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            os.kill(int(pid_text), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+            logger.info("removed stale KV pool %s (its process %s is gone)", path, pid_text)
+        except PermissionError:
+            continue  # alive, another user's
+    return removed
 
 
 @dataclass(frozen=True)
@@ -55,7 +75,8 @@ class KVPool:
             numel *= dim
         self.shm_path: Path | None = None
         if shared_memory and device.type == "cpu":
-            self.shm_path = SHM_DIR / f"tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            sweep_stale_pools()
+            self.shm_path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
             nbytes = numel * layout.dtype.itemsize
             try:
                 with open(self.shm_path, "wb") as handle:

@@ -49,6 +49,9 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
 
 def run(role: str, build: Callable[[WorkerConfig, ModelConfig, CacheConfig, SchedulerConfig], WorkerParts],
         argv: list[str] | None = None) -> int:
+    # Until the asyncio loop takes over, SIGTERM unwinds like Ctrl-C so a half-built engine
+    # still drops its /dev/shm pool (KVPool unlinks it when released).
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     args = parse_args(role, argv)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s", stream=sys.stderr)
@@ -67,6 +70,10 @@ def run(role: str, build: Callable[[WorkerConfig, ModelConfig, CacheConfig, Sche
         return asyncio.run(_serve(role, worker, parts))
     finally:
         parts.close()
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
