@@ -79,6 +79,8 @@ class DecodeLoop(EngineLoop):
     def add(self, job: DecodeJob) -> None:
         if job.request_id in self.jobs:
             raise KeyError(f"request_id={job.request_id!r} is already running here")
+        if job.request_id in self.cancelled:  # the receiver still tracks its old transfer
+            raise KeyError(f"request_id={job.request_id!r} is still being cleaned up here; use a new one")
         self.jobs[job.request_id] = job
         self.prealloc.append(job.request_id)
 

@@ -199,6 +199,10 @@ class RequestTable:
         if not req.status.terminal:
             # The sender sends this after its last write to us, so no write can follow it.
             self._finish(req, TransferStatus.CANCELLED, f"cancelled by sender: {reason}")
+        elif req.free_at is not None:
+            # We cancelled first (both sides were told to abort): for the same reason this
+            # counts as the sender's ack, so the blocks need not wait for the lease.
+            self.acked(peer, request_id)
 
     def acked(self, peer: bytes, request_id: str) -> None:
         req = self._get_known(request_id)

@@ -82,7 +82,11 @@ class PrefillLoop(EngineLoop):
         self._interval["new_seq"] += 1
         early = self.early.pop(job.request_id, None)
         if early is not None:
-            self.set_destination(job.request_id, early[0])
+            try:
+                self.set_destination(job.request_id, early[0])
+            except ValueError:
+                self.abort(job.request_id)  # the Submit is refused: leave nothing computing
+                raise
         return self.engine.allocator.peek_prefix_blocks(job.prompt_token_ids) * self.engine.allocator.block_size
 
     def set_destination(self, request_id: str, destination: Destination) -> None:
@@ -106,13 +110,24 @@ class PrefillLoop(EngineLoop):
     def abort(self, request_id: str) -> bool:
         job = self.jobs.pop(request_id, None)
         if job is None:
-            return self.early.pop(request_id, None) is not None
+            early = self.early.pop(request_id, None)
+            if early is not None:
+                self._cancel_early(request_id, early[0])
+            return early is not None
         if job.sender is not None:
             job.sender.cancel(request_id, "aborted at the prefill worker")
         # Source blocks are only read by in-flight writes, and the request is cancelled, so
         # they can go back to the pool now.
         self.engine.abort_request(request_id)
         return True
+
+    def _cancel_early(self, request_id: str, destination: Destination) -> None:
+        """Tell the decode worker nothing will be written into a destination that came before
+        its Submit, so it frees the reserved blocks now, not when their lease runs out."""
+        try:
+            self._sender(destination.descriptor).cancel(request_id, "aborted at the prefill worker")
+        except ValueError as exc:  # a destination we could never have written to
+            logger.warning("cannot cancel request_id=%s at its decode worker: %s", request_id, exc)
 
     # -- the loop ------------------------------------------------------------------------
     def run_once(self) -> bool:

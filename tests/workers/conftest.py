@@ -1,0 +1,92 @@
+"""Fixtures for the worker-process tests: the tiny checkpoint, worker processes, references.
+
+The tiny random-weight Llama of tests/engine/conftest.py (SmolLM2 tokenizer beside it) serves
+every test but the SmolLM2 one. Workers run as real processes on one torch thread each (the
+machine has 2 cores shared by two workers and pytest) and are always stopped at teardown; a
+worker's stderr is printed at teardown, which pytest shows only for a failed test.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.config import SamplingParams
+# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
+from tests.engine.conftest import (random_prompt, smollm2_gguf, smollm2_tokenizer,  # noqa: F401
+                                   tiny_model_dir, tokenizer_files)
+from tests.workers.harness import Worker
+
+BLOCK_SIZE = 16
+POOL_BLOCKS = 256
+REFERENCE_BLOCKS = 512
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir) -> Path:  # noqa: F811 - the imported fixture, by name
+    return tiny_model_dir("llama")
+
+
+def _spawner(log_dir: Path) -> Iterator[Callable[..., Worker]]:
+    started: list[Worker] = []
+
+    def spawn(role: str, model: Path, *flags: str, name: str | None = None) -> Worker:
+        worker = Worker(role, model, list(flags), log_dir, name or f"{role}-{len(started)}")
+        started.append(worker)
+        return worker
+
+    yield spawn
+    for worker in started:
+        worker.stop()
+    for worker in started:
+        print(f"----- {worker.stderr_path.name} (rc={worker.proc.returncode}) -----")
+        print(worker.stderr_path.read_text(errors="replace")[-6000:])
+
+
+@pytest.fixture
+def spawn(tmp_path) -> Iterator[Callable[..., Worker]]:
+    """``spawn(role, model_dir, *flags)`` -> a ready Worker, stopped after the test."""
+    yield from _spawner(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def spawn_module(tmp_path_factory) -> Iterator[Callable[..., Worker]]:
+    """Like ``spawn``, for workers shared by a whole module."""
+    yield from _spawner(tmp_path_factory.mktemp("workers"))
+
+
+def pool_flags(num_blocks: int = POOL_BLOCKS, block_size: int = BLOCK_SIZE) -> list[str]:
+    return ["--num-gpu-blocks-override", str(num_blocks), "--block-size", str(block_size)]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dir) -> Iterator[Callable[..., list]]:
+    """``reference(prompts, params, **llm_options)`` -> the colocated LLM's RequestOutputs.
+
+    One in-process LLM per option set, float32 on one torch thread, like the workers.
+    """
+    from engine.llm import LLM
+
+    made: dict[tuple, LLM] = {}
+    before = torch.get_num_threads()
+
+    def run(prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **options) -> list:
+        key = tuple(sorted(options.items()))
+        if key not in made:
+            made[key] = LLM(str(tiny_dir), **{"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE,
+                                              "num_gpu_blocks_override": REFERENCE_BLOCKS, **options})
+        torch.set_num_threads(1)
+        try:
+            return made[key].generate(prompts, params)
+        finally:
+            torch.set_num_threads(before)
+
+    yield run
+    for llm in made.values():
+        llm.close()
+
+
+def prompts_for(lengths: list[int], seed: int) -> list[list[int]]:
+    return [random_prompt(seed=seed + i, num_tokens=n) for i, n in enumerate(lengths)]

@@ -1,0 +1,222 @@
+"""Helpers for the worker-process tests: start a prefill/decode worker, drive requests, poll.
+
+Runs in the pytest process. Workers are real ``python -m prefill_worker`` / ``decode_worker``
+processes; the client side uses the sync ``grpc`` API and threads, like a router would use
+the aio one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+READY_PREFIX = "TANDEM_WORKER_READY "
+START_TIMEOUT_S = 90.0     # two workers and pytest share 2 cores; model load is ~2-10 s
+RPC_TIMEOUT_S = 60.0
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class Worker:
+    """One worker process; ``grpc``/``metrics`` are its bound addresses once ready."""
+
+    def __init__(self, role: str, model: Path, flags: list[str], log_dir: Path, name: str) -> None:
+        self.role = role
+        self.stderr_path = log_dir / f"{name}.stderr"
+        cmd = [sys.executable, "-m", f"{role}_worker", "--model", str(model), "--port", "0",
+               "--metrics-port", "0", "--dtype", "float32", "--device", "cpu", "--num-threads", "1", *flags]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - the child writes it until stop()
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
+        self.info = self._read_ready()
+        self.grpc: str = self.info["grpc"]
+        self.metrics: str | None = self.info["metrics"]
+        self.pid: int = self.info["pid"]
+        self.channel = grpc.insecure_channel(self.grpc)
+
+    def _read_ready(self) -> dict[str, Any]:
+        started = time.monotonic()
+        fd = self.proc.stdout.fileno()
+        buf = b""
+        why = f"no READY line within {START_TIMEOUT_S} s"
+        while time.monotonic() - started < START_TIMEOUT_S:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    why = "stdout closed"
+                    break
+                buf += chunk
+                for line in buf.decode(errors="replace").splitlines():
+                    if line.startswith(READY_PREFIX):
+                        return json.loads(line[len(READY_PREFIX):])
+            elif self.proc.poll() is not None:
+                why = "the process exited"
+                break
+        elapsed_s = time.monotonic() - started
+        rc = self.proc.poll()
+        self.stop()
+        raise WorkerFailed(f"{self.role} worker did not become ready: {why} after {elapsed_s:.1f} s "
+                           f"(rc before stop={rc}, after={self.proc.returncode}); stdout={buf!r}\n"
+                           f"stderr:\n{self.stderr()}")
+
+    @property
+    def prefill_stub(self) -> worker_pb2_grpc.PrefillWorkerStub:
+        return worker_pb2_grpc.PrefillWorkerStub(self.channel)
+
+    @property
+    def decode_stub(self) -> worker_pb2_grpc.DecodeWorkerStub:
+        return worker_pb2_grpc.DecodeWorkerStub(self.channel)
+
+    def stats(self) -> worker_pb2.StatsResponse:
+        stub = self.prefill_stub if self.role == "prefill" else self.decode_stub
+        return stub.Stats(worker_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)
+
+    def stderr(self) -> str:
+        if not self._stderr.closed:
+            self._stderr.flush()
+        return self.stderr_path.read_text(errors="replace")
+
+    def shm_files(self) -> list[str]:
+        prefix = f"tandem-kv-{self.proc.pid}-"
+        return [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix)]
+
+    def stop(self, timeout_s: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
+        if hasattr(self, "channel"):
+            self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._stderr.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL; removes the /dev/shm pool the dead process could not unlink."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+        for path in self.shm_files():
+            os.unlink(path)
+
+
+# -- requests -------------------------------------------------------------------------------
+
+def greedy(max_tokens: int, **kwargs: Any) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
+
+
+@dataclass
+class Result:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[worker_pb2.TokenLogprobs] = field(default_factory=list)
+    responses: list[worker_pb2.GenerateResponse] = field(default_factory=list)
+    error: grpc.RpcError | None = None
+    submit_error: grpc.RpcError | None = None
+
+    @property
+    def final(self) -> worker_pb2.GenerateResponse:
+        return self.responses[-1]
+
+
+def open_generate(decode: Worker, prefill_address: str, request_id: str, prompt: list[int],
+                  sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S):
+    request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                                         prefill_address=prefill_address)
+    return decode.decode_stub.Generate(request, timeout=timeout_s)
+
+
+def submit(prefill: Worker, decode_address: str, request_id: str, prompt: list[int],
+           sampling: worker_pb2.SamplingParams) -> worker_pb2.SubmitResponse:
+    request = worker_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                                       decode_address=decode_address)
+    return prefill.prefill_stub.Submit(request, timeout=RPC_TIMEOUT_S)
+
+
+def collect(call) -> Result:
+    result = Result()
+    try:
+        for response in call:
+            result.responses.append(response)
+            result.token_ids += response.token_ids
+            result.logprobs += response.logprobs
+    except grpc.RpcError as exc:
+        result.error = exc
+    return result
+
+
+def generate(prefill: Worker, decode: Worker, request_id: str, prompt: list[int],
+             sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S) -> Result:
+    """What a router does: open Generate on D, Submit to P, read the stream to its end."""
+    call = open_generate(decode, prefill.grpc, request_id, prompt, sampling, timeout_s)
+    submit_error = None
+    try:
+        submit(prefill, decode.grpc, request_id, prompt, sampling)
+    except grpc.RpcError as exc:
+        submit_error = exc
+        call.cancel()
+    result = collect(call)
+    result.submit_error = submit_error
+    return result
+
+
+def run_concurrently(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Run every fn on its own thread; results in order; re-raises the first exception."""
+    results: list[Any] = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(RPC_TIMEOUT_S * 2)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a request thread hung"
+    return results
+
+
+def wait_until(predicate: Callable[[], Any], timeout_s: float, what: str | Callable[[], str],
+               interval_s: float = 0.05) -> Any:
+    """Poll ``predicate`` until truthy; ``what`` (or its result, built on timeout) names it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what() if callable(what) else what}")
+        time.sleep(interval_s)
+
+
+def wait_idle(*workers: Worker, timeout_s: float = 15.0) -> None:
+    """Poll Stats until every worker's kv_blocks_used is back to 0 (nothing referenced)."""
+    for worker in workers:
+        wait_until(lambda w=worker: w.stats().kv_blocks_used == 0, timeout_s,
+                   lambda w=worker: f"{w.role} kv_blocks_used == 0; Stats now: {w.stats()}")

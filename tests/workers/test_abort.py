@@ -1,0 +1,138 @@
+"""Cancellation at every stage of a request frees its blocks on both workers at once.
+
+A request is stopped while the prefill worker is still computing its prompt (chunked into
+many small steps), while the decode worker's reservation waits for KV that never comes, and
+while it decodes (client cancel, and an explicit DecodeWorker.Abort). Each time both workers'
+kv_blocks_used must come back to 0 well before any lease could have freed them, and a fresh
+request must still give the colocated reference's tokens.
+"""
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from engine.config import SamplingParams
+from protos.tandem.v1 import worker_pb2
+from tests.workers.conftest import pool_flags, prompts_for
+from tests.workers.harness import (collect, generate, greedy, open_generate, submit, wait_idle,
+                                   wait_until)
+
+LEASE_S = 30          # the backstop; every test here must free blocks far sooner
+FREED_WITHIN_S = 5.0
+PREFILL_CHUNK = 1     # tokens per prefill step: a 240-token prompt takes 240 steps
+
+
+@pytest.fixture(scope="module")
+def pair(spawn_module, tiny_dir):
+    flags = [*pool_flags(), "--kv-lease-s", str(LEASE_S)]
+    prefill = spawn_module("prefill", tiny_dir, *flags, "--chunked-prefill-size", str(PREFILL_CHUNK))
+    decode = spawn_module("decode", tiny_dir, *flags)
+    return prefill, decode
+
+
+def prompt_tokens_total(prefill) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{prefill.metrics}/metrics", timeout=10).read().decode()
+    line = next(l for l in text.splitlines() if l.startswith("tandem_prompt_tokens_total{"))
+    return float(line.split()[-1])
+
+
+def check_fresh_request(prefill, decode, reference, request_id: str) -> None:
+    [prompt] = prompts_for([21], seed=7000)
+    [expected] = reference([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    result = generate(prefill, decode, request_id, prompt, greedy(8))
+    assert result.error is None, result.error
+    assert result.token_ids == expected.token_ids
+    wait_idle(prefill, decode)
+
+
+def test_abort_during_prefill(pair, reference):
+    prefill, decode = pair
+    wait_idle(prefill, decode)
+    [prompt] = prompts_for([240], seed=7100)
+    before = prompt_tokens_total(prefill)
+    call = open_generate(decode, prefill.grpc, "abort-prefill", prompt, greedy(8))
+    submit(prefill, decode.grpc, "abort-prefill", prompt, greedy(8))
+    # Running at the prefill worker means its prompt is still being computed (a computed
+    # prompt leaves the running batch at once: the prefill worker samples only one token).
+    wait_until(lambda: prefill.stats().num_running == 1, 10, "the prompt to be in prefill", interval_s=0.005)
+    prefill.prefill_stub.Abort(worker_pb2.AbortRequest(request_id="abort-prefill"), timeout=10)
+    call.cancel()
+    result = collect(call)
+    assert result.error is not None and result.error.code() == grpc.StatusCode.CANCELLED
+    assert result.token_ids == []
+    started = time.monotonic()
+    wait_idle(prefill, decode, timeout_s=FREED_WITHIN_S)
+    assert time.monotonic() - started < FREED_WITHIN_S
+    computed = prompt_tokens_total(prefill) - before
+    assert 0 < computed < len(prompt), "the abort must land while the prompt is half computed"
+    assert prefill.stats().num_running == 0 and decode.stats().num_transferring == 0
+    check_fresh_request(prefill, decode, reference, "after-abort-prefill")
+
+
+def test_cancel_while_decode_waits_for_kv(pair, reference):
+    """No Submit is ever sent: the decode worker's reservation waits for KV; cancel it."""
+    prefill, decode = pair
+    wait_idle(prefill, decode)
+    [prompt] = prompts_for([40], seed=7200)
+    call = open_generate(decode, prefill.grpc, "abort-transfer", prompt, greedy(8))
+    wait_until(lambda: decode.stats().num_transferring == 1, 10, "the decode worker to reserve blocks")
+    assert decode.stats().kv_blocks_used == 3   # 40 prompt tokens + the first token, 16 per block
+    call.cancel()
+    assert collect(call).error.code() == grpc.StatusCode.CANCELLED
+    wait_idle(decode, timeout_s=FREED_WITHIN_S)
+    assert decode.stats().num_transferring == 0
+    # The decode worker also told the prefill worker to forget the destination it sent.
+    time.sleep(1.0)
+    with pytest.raises(grpc.RpcError) as err:
+        prefill.prefill_stub.Abort(worker_pb2.AbortRequest(request_id="abort-transfer"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    check_fresh_request(prefill, decode, reference, "after-abort-transfer")
+
+
+def test_cancel_during_decode(pair, reference):
+    prefill, decode = pair
+    wait_idle(prefill, decode)
+    [prompt] = prompts_for([12], seed=7300)
+    call = open_generate(decode, prefill.grpc, "cancel-decode", prompt, greedy(200))
+    submit(prefill, decode.grpc, "cancel-decode", prompt, greedy(200))
+    tokens = []
+    for response in call:
+        tokens += response.token_ids
+        if len(tokens) >= 3:
+            break
+    assert decode.stats().num_running == 1
+    call.cancel()
+    wait_idle(prefill, decode, timeout_s=FREED_WITHIN_S)
+    assert decode.stats().num_running == 0
+    [expected] = reference([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert tokens[:3] == expected.token_ids
+    check_fresh_request(prefill, decode, reference, "after-cancel-decode")
+
+
+def test_explicit_decode_abort_ends_the_stream(pair, reference):
+    prefill, decode = pair
+    wait_idle(prefill, decode)
+    [prompt] = prompts_for([12], seed=7400)
+    call = open_generate(decode, prefill.grpc, "abort-decode", prompt, greedy(200))
+    submit(prefill, decode.grpc, "abort-decode", prompt, greedy(200))
+    responses = []
+    for response in call:
+        responses.append(response)
+        if sum(len(r.token_ids) for r in responses) >= 3:
+            decode.decode_stub.Abort(worker_pb2.AbortRequest(request_id="abort-decode"), timeout=10)
+            break
+    responses += list(call)   # the rest of the stream: ends normally, with an "abort" finish
+    final = responses[-1]
+    assert final.finish_reason == "abort"
+    num_tokens = sum(len(r.token_ids) for r in responses)
+    assert 3 <= final.num_output_tokens == num_tokens < 200
+    assert final.num_prompt_tokens == len(prompt)
+    wait_idle(prefill, decode, timeout_s=FREED_WITHIN_S)
+    with pytest.raises(grpc.RpcError) as err:   # gone: a second abort finds nothing
+        decode.decode_stub.Abort(worker_pb2.AbortRequest(request_id="abort-decode"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    check_fresh_request(prefill, decode, reference, "after-abort-decode")
