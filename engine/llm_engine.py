@@ -90,6 +90,7 @@ class LLMEngine:
         seq.block_ids = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.output_token_ids.append(first_token)
+        self.num_generated_tokens_total += 1  # sampled elsewhere, streamed from here
         if params.logprobs is not None and first_logprobs is not None:
             seq.logprobs.append(first_logprobs)
         self.scheduler.cache_computed_blocks(seq)

@@ -86,7 +86,7 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
     metrics_port = parts.metrics.serve(worker.host, worker.metrics_port) if worker.metrics_port >= 0 else None
     parts.loop.start()
     try:
-        server, port, _health = await start_server(worker.host, worker.port, parts.register, parts.service_names)
+        server, port, health_servicer = await start_server(worker.host, worker.port, parts.register, parts.service_names)
     except OSError as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         parts.loop.stop()
@@ -95,9 +95,19 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
              "metrics": None if metrics_port is None else f"{worker.host}:{metrics_port}"}
     print(READY_PREFIX + json.dumps(ready), flush=True)
     logger.info("%s worker serving gRPC on %s", role, ready["grpc"])
-    await stop.wait()
+    code = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if not parts.loop.alive:  # the engine thread died: stop answering SERVING, exit
+                logger.error("%s engine thread died (%r); exiting so the worker can be restarted",
+                             role, parts.loop.error)
+                await health_servicer.enter_graceful_shutdown()
+                code = 1
+                break
     logger.info("%s worker shutting down", role)
     await server.stop(grace=2.0)
     parts.loop.stop()
     parts.metrics.close()
-    return 0
+    return code
