@@ -3,6 +3,7 @@
 Subcommands:
   generate   run the in-process engine on prompts and print the completions
   plan       KV cache, concurrency and max_model_len a deployment can afford (no weights loaded)
+  bench      load-test a serving endpoint (OpenAI-compatible or Tandem gRPC) with plots
 """
 from __future__ import annotations
 
