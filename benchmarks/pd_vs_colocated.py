@@ -28,7 +28,6 @@ import os
 import queue
 import random
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,7 +41,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(REPO_ROOT)
 
-READY_PREFIX = "TANDEM_WORKER_READY "   # engine.serving.process.READY_PREFIX, without importing torch
+from deploy.launch import WorkerProcess  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -81,49 +80,10 @@ def make_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], float]:
 
 
 # -- (A) disaggregated: two worker processes ---------------------------------------------------
-class WorkerProcess:
-    """``python -m {role}_worker``; waits for its READY line; SIGTERM, then SIGKILL, on stop."""
-
-    def __init__(self, role: str, flags: list[str], log_dir: str) -> None:
-        self.role = role
-        self.log_path = Path(log_dir) / f"{role}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, "-m", f"{role}_worker", *flags], cwd=REPO_ROOT,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True)
-        self._ready: queue.SimpleQueue[dict] = queue.SimpleQueue()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:  # keep reading so the pipe never fills
-            if line.startswith(READY_PREFIX):
-                self._ready.put(json.loads(line[len(READY_PREFIX):]))
-
-    def wait_ready(self, timeout_s: float) -> dict:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                return self._ready.get(timeout=0.2)
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    break
-        tail = self.log_path.read_text()[-2000:]
-        raise RuntimeError(f"{self.role} worker not ready (exit code {self.proc.poll()}); log tail:\n{tail}")
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        # A worker killed before it installed its signal handlers (still starting up) leaves
-        # its /dev/shm KV pool behind; the name carries its pid, so only ours is removed.
-        for leftover in Path("/dev/shm").glob(f"tandem-kv-{self.proc.pid}-*"):
-            print(f"removing {leftover} left by the {self.role} worker (exit code {self.proc.returncode})",
-                  file=sys.stderr)
-            leftover.unlink(missing_ok=True)
+def start_worker(role: str, flags: list[str], log_dir: str) -> WorkerProcess:
+    """Spawn a worker with its stderr in ``log_dir/<role>.log`` (ready: ``wait_ready``)."""
+    log = open(Path(log_dir) / f"{role}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
+    return WorkerProcess(role, flags, stderr=log, wait=False)
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
@@ -191,7 +151,7 @@ def run_disaggregated(specs: list[RequestSpec], args: argparse.Namespace, warmup
         log_dir = args.log_dir or tmp_dir
         workers = []
         try:
-            workers = [WorkerProcess(role, worker_flags(args), log_dir) for role in ("prefill", "decode")]
+            workers = [start_worker(role, worker_flags(args), log_dir) for role in ("prefill", "decode")]
             addresses = {w.role: w.wait_ready(args.startup_timeout_s)["grpc"] for w in workers}
             return asyncio.run(_drive_workers(specs, addresses, args.timeout_s, warmup))
         finally:

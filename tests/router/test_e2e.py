@@ -4,8 +4,6 @@ decode worker mid-stream leaves every request complete with the undisturbed gree
 from __future__ import annotations
 
 import json
-import os
-import select
 import signal
 import subprocess
 import sys
@@ -17,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from deploy.launch import WorkerProcess as Launched
 from engine.tokenizer import Tokenizer
 from router.client import TandemClient
 from router.config import RouterConfig
@@ -29,36 +28,22 @@ ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
 
 
-class WorkerProcess:
+class WorkerProcess(Launched):
     def __init__(self, role: str, model: Path, log_dir: Path) -> None:
-        self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")
-        cmd = [sys.executable, "-m", f"{role}_worker", "--model", str(model), "--port", "0", "--metrics-port", "-1",
-               "--dtype", "float32", "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "256",
-               "--block-size", "16", "--kv-lease-s", "3"]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=self.log, env=env)
-        buf, deadline = b"", time.monotonic() + 120
-        while b"TANDEM_WORKER_READY " not in buf:
-            assert time.monotonic() < deadline and self.proc.poll() is None, f"{role} worker did not start"
-            if select.select([self.proc.stdout], [], [], 0.2)[0]:
-                buf += os.read(self.proc.stdout.fileno(), 4096)
-        line = next(x for x in buf.decode().splitlines() if x.startswith("TANDEM_WORKER_READY "))
-        self.address = json.loads(line.split(" ", 1)[1])["grpc"]
+        self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")  # noqa: SIM115
+        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "-1", "--dtype", "float32",
+                                "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "256",
+                                "--block-size", "16", "--kv-lease-s", "3"],
+                         stderr=self.log, env={"OMP_NUM_THREADS": "1"})
+        self.address = self.grpc
 
     def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.kill()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc.stdout.close()
+    def stop(self) -> int:
+        code = super().stop(15)
         self.log.close()
+        return code
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,6 @@ the aio one.
 """
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,60 +15,28 @@ from typing import Any
 
 import grpc
 
+from deploy.launch import WorkerProcess, WorkerStartError
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-READY_PREFIX = "TANDEM_WORKER_READY "
 START_TIMEOUT_S = 90.0     # two workers and pytest share 2 cores; model load is ~2-10 s
 RPC_TIMEOUT_S = 60.0
 
 
-class WorkerFailed(RuntimeError):
-    pass
-
-
-class Worker:
-    """One worker process; ``grpc``/``metrics`` are its bound addresses once ready."""
+class Worker(WorkerProcess):
+    """A worker process plus a sync channel to it, its stderr log, and Stats."""
 
     def __init__(self, role: str, model: Path, flags: list[str], log_dir: Path, name: str) -> None:
-        self.role = role
         self.stderr_path = log_dir / f"{name}.stderr"
-        cmd = [sys.executable, "-m", f"{role}_worker", "--model", str(model), "--port", "0",
-               "--metrics-port", "0", "--dtype", "float32", "--device", "cpu", "--num-threads", "1", *flags]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - the child writes it until stop()
-        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=self._stderr, env=env)
-        self.info = self._read_ready()
-        self.grpc: str = self.info["grpc"]
-        self.metrics: str | None = self.info["metrics"]
-        self.pid: int = self.info["pid"]
+        try:
+            super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype",
+                                    "float32", "--device", "cpu", "--num-threads", "1", *flags],
+                             stderr=self._stderr, env={"OMP_NUM_THREADS": "1"}, start_timeout_s=START_TIMEOUT_S)
+        except WorkerStartError as exc:
+            self._stderr.close()
+            raise WorkerStartError(f"{exc}\nstderr:\n{self.stderr()}") from None
         self.channel = grpc.insecure_channel(self.grpc)
-
-    def _read_ready(self) -> dict[str, Any]:
-        started = time.monotonic()
-        fd = self.proc.stdout.fileno()
-        buf = b""
-        why = f"no READY line within {START_TIMEOUT_S} s"
-        while time.monotonic() - started < START_TIMEOUT_S:
-            ready, _, _ = select.select([fd], [], [], 0.2)
-            if ready:
-                chunk = os.read(fd, 4096)
-                if not chunk:
-                    why = "stdout closed"
-                    break
-                buf += chunk
-                for line in buf.decode(errors="replace").splitlines():
-                    if line.startswith(READY_PREFIX):
-                        return json.loads(line[len(READY_PREFIX):])
-            elif self.proc.poll() is not None:
-                why = "the process exited"
-                break
-        elapsed_s = time.monotonic() - started
-        rc = self.proc.poll()
-        self.stop()
-        raise WorkerFailed(f"{self.role} worker did not become ready: {why} after {elapsed_s:.1f} s "
-                           f"(rc before stop={rc}, after={self.proc.returncode}); stdout={buf!r}\n"
-                           f"stderr:\n{self.stderr()}")
 
     @property
     def prefill_stub(self) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -93,31 +55,12 @@ class Worker:
             self._stderr.flush()
         return self.stderr_path.read_text(errors="replace")
 
-    def shm_files(self) -> list[str]:
-        prefix = f"tandem-kv-{self.proc.pid}-"
-        return [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if n.startswith(prefix)]
-
     def stop(self, timeout_s: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""
-        if hasattr(self, "channel"):
-            self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        """Close the channel, SIGTERM (then SIGKILL); returns the exit code."""
+        self.channel.close()
+        code = super().stop(timeout_s)
         self._stderr.close()
-        return self.proc.returncode
-
-    def kill(self) -> None:
-        """SIGKILL; removes the /dev/shm pool the dead process could not unlink."""
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
-        for path in self.shm_files():
-            os.unlink(path)
+        return code
 
 
 # -- requests -------------------------------------------------------------------------------

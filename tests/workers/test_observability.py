@@ -5,7 +5,6 @@ SIGTERM and checks the exit code and that each /dev/shm pool is gone.
 """
 from __future__ import annotations
 
-import os
 import signal
 import time
 import urllib.request
@@ -94,10 +93,10 @@ def test_metrics_and_log_lines_after_traffic(pair):
 def test_sigterm_exits_zero_and_removes_the_shm_pool(pair):
     for worker in pair:
         [pool] = worker.shm_files()
-        assert pool.startswith(f"/dev/shm/tandem-kv-{worker.pid}-") and os.path.exists(pool)
+        assert str(pool).startswith(f"/dev/shm/tandem-kv-{worker.pid}-") and pool.exists()
         started = time.monotonic()
         worker.proc.send_signal(signal.SIGTERM)
         assert worker.proc.wait(10) == 0
         assert time.monotonic() - started < 10
-        assert not os.path.exists(pool)
+        assert not pool.exists()
         assert f"{worker.role} worker shutting down" in worker.stderr()
