@@ -59,6 +59,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         try:
             await self.prefill.stub(job.prefill_address).SetDestination(request, timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # The prefill worker may be gone: keep the reservation, so the router can move the
+                # request to another prefill worker (SetPrefill); the lease is the backstop.
+                logger.warning("prefill worker %s unreachable for request_id=%s (%s); keeping the reservation",
+                               job.prefill_address, job.request_id, exc.code().name)
+                return
             reason = f"prefill worker {job.prefill_address} refused the destination: {exc.code().name}: {exc.details()}"
             self.loop.call(lambda: self.loop.fail(job.request_id, reason))
 
