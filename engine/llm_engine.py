@@ -105,9 +105,8 @@ class LLMEngine:
         return seq
 
     def abort_request(self, request_id: str) -> bool:
-        held = self.held.pop(request_id, None)
-        if held is not None:
-            self.scheduler.release(held)
+        if request_id in self.held:
+            self.release(request_id)
             return True
         seq = self.sequences.pop(request_id, None)
         if seq is None:

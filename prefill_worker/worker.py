@@ -158,23 +158,20 @@ class PrefillLoop(EngineLoop):
 
     def _ship(self, job: PrefillJob) -> None:
         """Write what the forward pass did not ship yet, then send the first token."""
+        held = self.engine.held.get(job.request_id)  # finished here, blocks kept for the transfer
+        if held is None:
+            return
         if not job.layers_shipped:
-            held = self.engine.held.get(job.request_id)
-            if held is None:
-                return
             src, dst = self._block_pairs(job, held.block_ids)
             job.futures.append(job.sender.write(job.request_id, range(self.layout.num_layers), src, dst))
             job.layers_shipped = True
-        out = job.first
-        entry = out.new_logprobs[0] if out.new_logprobs else None
-        token = out.new_token_ids[0]
-        top = tuple(sorted(((t, lp) for t, lp in entry.items()), key=lambda kv: -kv[1])[:job.params.logprobs or 0]) \
-            if entry else ()
+        token = job.first.new_token_ids[0]
+        entry = job.first.new_logprobs[0] if job.first.new_logprobs else None
+        # entry holds the sampled token and the top k; sorted, its first k are the top k.
+        top = tuple(sorted(entry.items(), key=lambda kv: -kv[1])[:job.params.logprobs or 0]) if entry else ()
         payload = kvtransfer.NotifyPayload(
             first_token_id=token, first_logprob=None if entry is None else entry[token], top_logprobs=top,
-            num_prompt_tokens=len(job.prompt_token_ids),
-            num_cached_tokens=self.engine.held[job.request_id].num_prefix_hit_tokens
-            if job.request_id in self.engine.held else 0)
+            num_prompt_tokens=len(job.prompt_token_ids), num_cached_tokens=held.num_prefix_hit_tokens)
         job.futures.append(job.sender.notify(job.request_id, payload))
 
     def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:

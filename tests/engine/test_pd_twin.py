@@ -70,17 +70,18 @@ def _run(prefill: PrefillLoop, decode: DecodeLoop, prompts, params) -> list[list
         decode.call(lambda j=DecodeJob(rid, prompt, p, "in-process", events.put): decode.add(j))
         prefill.call(lambda j=PrefillJob(rid, prompt, p, "in-process"): prefill.submit(j))
         streams.append(events)
-    outputs = []
-    for events in streams:
-        tokens = []
-        while True:
-            event = events.get(timeout=60)
-            assert event.error is None, event.error
-            tokens += event.token_ids
-            if event.finish_reason is not None:
-                break
-        outputs.append(tokens)
-    return outputs
+    return [_tokens(events) for events in streams]
+
+
+def _tokens(events: queue.SimpleQueue) -> list[int]:
+    """A stream's tokens until its finish event; an error event fails the test."""
+    tokens = []
+    while True:
+        event = events.get(timeout=60)
+        assert event.error is None, event.error
+        tokens += event.token_ids
+        if event.finish_reason is not None:
+            return tokens
 
 
 def _colocated(make_llm, tiny_model_dir, prompts, params):
@@ -122,13 +123,7 @@ def test_pd_twin_moves_a_request_to_another_prefill_worker(pair, make_llm, tiny_
     moved = []
     decode.call(lambda: moved.append(decode.set_prefill("moved", "in-process")))
     prefill.call(lambda: prefill.submit(PrefillJob("moved", prompt, params, "in-process")))
-    tokens = []
-    while True:
-        event = events.get(timeout=60)
-        assert event.error is None, event.error
-        tokens += event.token_ids
-        if event.finish_reason is not None:
-            break
+    tokens = _tokens(events)
     assert moved == [True]
     assert tokens == _colocated(make_llm, tiny_model_dir, [prompt], [params])[0]
     unknown = []
