@@ -77,7 +77,10 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         return tandem_pb2.RegisterWorkerResponse()
 
     async def DeregisterWorker(self, request, context):
-        found = await self.frontend.registry.remove(request.address, "deregistered by RPC")
+        registry = self.frontend.registry
+        if request.drain:
+            return tandem_pb2.DeregisterWorkerResponse(found=registry.drain(request.address))
+        found = await registry.remove(request.address, "deregistered by RPC")
         return tandem_pb2.DeregisterWorkerResponse(found=found)
 
 

@@ -1,7 +1,8 @@
 """Worker registry of the router process: membership, heartbeats (Stats polls) and load.
 
 A worker joins through ``add`` (the ``--prefill``/``--decode`` flags, or the RegisterWorker RPC
-the controller calls). It is *joining* until its first Stats answer, then *healthy* and
+the controller calls). ``drain`` (scale-down) stops routing new requests to a worker while its
+in-flight ones finish; the controller removes it once ``num_inflight`` is 0. It is *joining* until its first Stats answer, then *healthy* and
 routable. A healthy worker that misses ``max_missed`` heartbeats in a row, or that a request
 reports as broken and then fails one immediate probe, is removed: listeners (the dispatcher)
 hear about it and fail its requests over. A joining worker is never removed for silence, so
@@ -34,6 +35,7 @@ class WorkerState:
     missed: int = 0                    # heartbeats missed in a row
     num_inflight: int = 0              # requests the router has on this worker now
     removed: bool = False
+    draining: bool = False             # routable no more; kept until its in-flight requests end
     _probe: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -95,6 +97,16 @@ class WorkerRegistry:
         self._changed.set()
         return True
 
+    def drain(self, address: str) -> bool:
+        """Stop routing new requests to a worker; its in-flight ones go on (scale-down)."""
+        worker = self._workers.get(address)
+        if worker is None:
+            return False
+        if not worker.draining:
+            worker.draining = True
+            logger.info("draining %s worker %s (%d requests in flight)", worker.role, address, worker.num_inflight)
+        return True
+
     def get(self, address: str) -> WorkerState | None:
         return self._workers.get(address)
 
@@ -102,7 +114,8 @@ class WorkerRegistry:
         return list(self._workers.values())
 
     def healthy(self, role: str) -> list[WorkerState]:
-        return [w for w in self._workers.values() if w.role == role and w.healthy]
+        """The routable workers of ``role``: answered heartbeats and not draining."""
+        return [w for w in self._workers.values() if w.role == role and w.healthy and not w.draining]
 
     @property
     def max_model_len(self) -> int | None:

@@ -114,6 +114,38 @@ def test_register_and_deregister_rpcs_change_membership(loop_thread, tokenizer):
     run(loop_thread, tokenizer, body)
 
 
+def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_thread, tokenizer):
+    async def body(cluster):
+        import grpc
+        from protos.tandem.v1 import tandem_pb2_grpc
+
+        first, second = cluster.decodes
+        registry = cluster.router.registry
+        registry.get(second.address).num_inflight = 1000       # least_load picks `first`
+        async with AsyncTandemClient(cluster.router.grpc_address) as client, \
+                grpc.aio.insecure_channel(cluster.router.grpc_address) as channel:
+            stub = tandem_pb2_grpc.TandemStub(channel)
+            stream = client.generate_stream([9, 8, 7], max_tokens=30)
+            chunks = [await stream.__anext__()]                  # in flight on `first`
+            assert registry.get(first.address).num_inflight == 1
+            reply = await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
+            assert reply.found
+            registry.get(second.address).num_inflight -= 1000
+            view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest())).workers}
+            assert view[first.address].draining and not view[second.address].draining
+            new = await client.generate([1, 2, 3], max_tokens=4)      # goes to `second` only
+            assert new.token_ids == fake_completion([1, 2, 3], 4)
+            chunks += [c async for c in stream]                       # the drained stream finishes
+            assert [t for c in chunks for t in c.token_ids] == fake_completion([9, 8, 7], 30)
+            assert registry.get(first.address).num_inflight == 0
+            assert len(first.state.seen) == 1 and len(second.state.seen) == 1
+            assert (await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=first.address))).found
+            assert registry.get(first.address) is None
+            assert not (await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address="nope:1",
+                                                                                       drain=True))).found
+    run(loop_thread, tokenizer, body, num_decode=2, decode_options={"token_interval_s": 0.02})
+
+
 def test_router_stop_ends_every_task_it_started(loop_thread, tokenizer):
     async def main():
         before = set(asyncio.all_tasks())

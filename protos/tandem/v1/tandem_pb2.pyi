@@ -141,7 +141,7 @@ class GetClusterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "address", "model", "healthy", "num_inflight", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "max_model_len")
+    __slots__ = ("role", "address", "model", "healthy", "num_inflight", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "max_model_len", "draining")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class WorkerStatus(_message.Message):
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     model: str
@@ -164,7 +165,8 @@ class WorkerStatus(_message.Message):
     kv_blocks_total: int
     kv_usage: float
     max_model_len: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_usage: _Optional[float] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_usage: _Optional[float] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetClusterResponse(_message.Message):
     __slots__ = ("workers",)
@@ -185,10 +187,12 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("address",)
+    __slots__ = ("address", "drain")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
     address: str
-    def __init__(self, address: _Optional[str] = ...) -> None: ...
+    drain: bool
+    def __init__(self, address: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
 
 class DeregisterWorkerResponse(_message.Message):
     __slots__ = ("found",)

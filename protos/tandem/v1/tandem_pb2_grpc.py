@@ -94,7 +94,7 @@ class TandemServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RegisterWorker(self, request, context):
-        """Membership, for the controller: add a worker / remove one (its requests fail over).
+        """Membership, for the controller: add a worker / drain or remove one.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
