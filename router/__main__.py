@@ -13,10 +13,8 @@ import os
 import signal
 import sys
 
-from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, RouterConfig
 from router.server import Router
-
-READY_PREFIX = "TANDEM_ROUTER_READY "
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:

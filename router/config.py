@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 PREFILL_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
 DECODE_POLICIES = ("least_load", "power_of_two", "round_robin")
+READY_PREFIX = "TANDEM_ROUTER_READY "      # `python -m router` prints it + {"http", "grpc"} once listening
 
 
 @dataclass(frozen=True)
