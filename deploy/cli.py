@@ -4,6 +4,10 @@ Subcommands:
   generate   run the in-process engine on prompts and print the completions
   plan       KV cache, concurrency and max_model_len a deployment can afford (no weights loaded)
   bench      load-test a serving endpoint (OpenAI-compatible or Tandem gRPC) with plots
+  serve      router + prefill/decode workers on Ray (a local Ray instance when none runs)
+  status     the deployment's router and workers
+  scale      set prefill/decode replicas live (drains the ones it removes)
+  down       stop the deployment
 """
 from __future__ import annotations
 
@@ -152,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _plan_parser(sub)
     _bench_parser(sub)
+    from deploy.serve import add_parsers
+
+    add_parsers(sub)
     return parser
 
 

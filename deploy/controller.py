@@ -1,0 +1,540 @@
+"""The Ray side of ``tandem serve``: the controller actor and the process hosts (DESIGN.md §8).
+
+The **controller** is a detached, named Ray actor (``tandem-controller`` in namespace
+``tandem``). It holds the desired replicas per role and reconciles twice a second:
+
+- every replica is one placement group, one bundle per TP rank, STRICT_PACK (all ranks on one
+  node); a GPU bundle per rank on CUDA clusters, a small fractional CPU demand on CPU-only ones
+  so router + 2 workers fit on 2 cores;
+- every rank is a ``ProcessHost`` actor in its bundle that runs ``python -m {role}_worker`` as
+  a child (dies with the actor: PR_SET_PDEATHSIG) and reports its ready line and exit code;
+- a new replica is registered with the router (RegisterWorker) once all its ranks are ready and
+  counts as *running* once the router's heartbeat found it healthy: it takes traffic only then;
+- scale-down drains (DeregisterWorker drain=true: no new requests), waits until the router has
+  no request in flight on the replica, then removes it and stops its processes;
+- a replica whose process dies is removed from the router (its requests fail over), torn down
+  and started again, right away the first time and then with a growing delay; one that keeps
+  dying shows as ``crashloop`` with its last error in ``tandem status``; one that exits with
+  code 2 (a configuration error) or never comes up shows as ``failed`` and is not retried;
+- the router itself runs in a ``ProcessHost`` on the node ``tandem serve`` ran on, and is
+  restarted (with every running worker re-registered) if it dies.
+
+The controller never blocks its reconcile loop on a slow start: each replica starts in its own
+thread. The CLI (deploy/serve.py) talks to it with ``start``, ``status``, ``scale`` and
+``shutdown``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from deploy.launch import ROUTER_READY_PREFIX, ServiceProcess
+from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
+from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+CONTROLLER_NAME = "tandem-controller"
+NAMESPACE = "tandem"
+ROLES = ("prefill", "decode")
+CONFIG_ERROR_EXIT = 2               # workers and the router exit 2 on a bad flag / startup check
+STABLE_AFTER_S = 60.0               # a replica up this long has its consecutive failures forgotten
+MAX_BACKOFF_S = 60.0
+CRASHLOOP_AFTER = 3                 # consecutive failures before the state reads "crashloop"
+
+
+@dataclass
+class ServeSpec:
+    """What ``tandem serve`` asked for; the controller's whole configuration."""
+
+    model: str
+    replicas: dict[str, int]                 # desired replicas per role
+    tp: dict[str, int]                       # tensor-parallel ranks per replica, per role
+    worker_flags: list[str]                  # engine knobs passed to every worker
+    router_flags: list[str]                  # --host, ports, policies (not the API key)
+    router_host: str
+    api_key: str = ""
+    router_node_id: str = ""                 # the node `tandem serve` ran on
+    use_gpu: bool = False
+    cpus_per_rank: float = 0.1
+    router_cpus: float = 0.1
+    num_threads: int = 0                     # torch threads per CPU worker; 0 = node CPUs / ranks
+    started_ray: bool = False                # `tandem down` stops the Ray cluster too
+    start_timeout_s: float = 900.0
+
+
+# -- the process host: one per worker rank, one for the router -------------------------------
+
+
+@ray.remote(max_restarts=0)
+class ProcessHost:
+    """Runs one Tandem process as its child. All methods return at once (they run on the
+    actor's main thread, which the child's parent-death signal is tied to)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.proc: ServiceProcess | None = None
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+    def node(self) -> dict[str, Any]:
+        return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
+                "cpus": os.cpu_count() or 1}
+
+    def free_port(self) -> int:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def start(self, argv: list[str], ready_prefix: str, env: dict[str, str]) -> int:
+        self.proc = ServiceProcess(self.name, argv, ready_prefix, env=env, die_with_parent=True, stderr_tail=40)
+        return self.proc.pid
+
+    def poll_ready(self, timeout_s: float = 0.5) -> dict[str, Any] | None:
+        """The ready line once it came; raises (with the stderr tail) when the child died first."""
+        return self.proc.poll_ready(timeout_s)
+
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.returncode()
+
+    def stderr_tail(self) -> str:
+        return "" if self.proc is None else self.proc.stderr_tail()
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        return None if self.proc is None else self.proc.stop(timeout_s)
+
+
+# -- the controller --------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Replica:
+    id: str
+    role: str
+    tp: int
+    state: str = "pending"        # pending starting running draining restarting crashloop failed
+    hosts: list = field(default_factory=list)
+    pg: Any = None
+    address: str = ""
+    pids: list[int] = field(default_factory=list)
+    node: str = ""
+    restarts: int = 0
+    failures: int = 0             # consecutive
+    last_error: str = ""
+    next_start: float = 0.0
+    up_since: float = 0.0
+    ever_ready: bool = False
+    busy: bool = False            # a start thread owns it
+
+
+def record_failure(r: Replica, error: str, now: float, config_error: bool = False) -> None:
+    """A replica failed (died, or did not start): pick its next state and start time.
+
+    The first failure restarts at once, later ones back off (2, 4, ... 60 s); a replica up for
+    STABLE_AFTER_S has its count reset. From CRASHLOOP_AFTER failures in a row it reads
+    ``crashloop`` (still retried); a configuration error, or a replica that never came up
+    CRASHLOOP_AFTER times, is ``failed`` and left alone.
+    """
+    if r.up_since and now - r.up_since > STABLE_AFTER_S:
+        r.failures = 0
+    r.failures += 1
+    r.last_error = error
+    r.address, r.pids, r.up_since = "", [], 0.0
+    if config_error or (not r.ever_ready and r.failures >= CRASHLOOP_AFTER):
+        r.state = "failed"
+        logger.error("%s failed and will not be restarted: %s", r.id, error)
+        return
+    delay = 0.0 if r.failures == 1 else min(MAX_BACKOFF_S, 2.0 ** (r.failures - 1))
+    r.next_start = now + delay
+    r.state = "crashloop" if r.failures >= CRASHLOOP_AFTER else "restarting"
+    if delay:
+        logger.warning("%s failed %d times in a row; next start in %.0f s: %s", r.id, r.failures, delay, error)
+
+
+def _error_of(exc: BaseException) -> str:
+    text = str(exc)
+    # A RayTaskError's text repeats the remote traceback; keep the WorkerStartError part.
+    marker = "WorkerStartError: "
+    return (text[text.rfind(marker) + len(marker):] if marker in text else text).strip()
+
+
+@ray.remote
+class Controller:
+    def __init__(self, spec: ServeSpec) -> None:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                            format="%(asctime)s %(levelname)s controller: %(message)s")
+        self.spec = spec
+        self.desired = dict(spec.replicas)
+        self.replicas: list[Replica] = []
+        self.router: dict[str, Any] = {}
+        self._router_host = None
+        self._stub: tandem_pb2_grpc.TandemStub | None = None
+        self._channel: grpc.Channel | None = None
+        self._lock = threading.RLock()
+        self._stopping = threading.Event()
+        self._loop: threading.Thread | None = None
+        self._ids = {role: itertools.count(0) for role in ROLES}
+
+    # -- API for the CLI -----------------------------------------------------------------------
+
+    def start(self) -> dict[str, Any]:
+        """Start the router (raises if it cannot) and the reconcile loop; returns the router's addresses."""
+        self._start_router()
+        self._loop = threading.Thread(target=self._run, name="tandem-reconcile", daemon=True)
+        self._loop.start()
+        return dict(self.router)
+
+    def scale(self, role: str, count: int) -> dict[str, int]:
+        if role not in ROLES:
+            raise ValueError(f"role {role!r}: use prefill or decode")
+        if count < 1:
+            raise ValueError(f"{role} replicas must be >= 1 (got {count}): with none, every request would fail")
+        with self._lock:
+            self.desired[role] = count
+        logger.info("scale %s to %d replicas", role, count)
+        return dict(self.desired)
+
+    def status(self) -> dict[str, Any]:
+        try:
+            cluster = {w.address: w for w in self._router_stub().GetCluster(
+                tandem_pb2.GetClusterRequest(), timeout=2.0, metadata=self._metadata()).workers}
+        except grpc.RpcError:
+            cluster = {}
+        with self._lock:
+            workers = []
+            for r in self.replicas:
+                seen = cluster.get(r.address)
+                workers.append({
+                    "id": r.id, "role": r.role, "address": r.address or None, "pid": r.pids[0] if r.pids else None,
+                    "pids": list(r.pids), "node": r.node or None, "state": r.state, "tp": r.tp,
+                    "num_running": seen.num_running if seen else 0, "num_waiting": seen.num_waiting if seen else 0,
+                    "num_inflight": seen.num_inflight if seen else 0, "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,
+                    "restarts": r.restarts, "error": r.last_error or None})
+            return {"model": self.spec.model, "router": dict(self.router), "desired": dict(self.desired),
+                    "started_ray": self.spec.started_ray, "workers": workers}
+
+    def shutdown(self) -> None:
+        """Stop the loop, every worker (removed from the router first) and the router."""
+        self._stopping.set()
+        if self._loop is not None:
+            self._loop.join(30)
+        with self._lock:
+            replicas, self.replicas = list(self.replicas), []
+        for r in replicas:
+            self._deregister(r)
+        self._teardown_many(replicas)
+        if self._router_host is not None:
+            try:
+                ray.get(self._router_host.stop.remote(10.0), timeout=20)
+            except Exception:  # noqa: BLE001 - best effort: the actor may be gone already
+                pass
+            ray.kill(self._router_host)
+            self._router_host = None
+        if self._channel is not None:
+            self._channel.close()
+        logger.info("deployment stopped")
+
+    # -- router ------------------------------------------------------------------------------
+
+    def _start_router(self) -> None:
+        spec = self.spec
+        host = ProcessHost.options(
+            num_cpus=spec.router_cpus, name=None,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(spec.router_node_id, soft=False)
+            if spec.router_node_id else "DEFAULT").remote("router")
+        argv = [sys.executable, "-m", "router", "--model", spec.model, *spec.router_flags]
+        env = {"TANDEM_API_KEY": spec.api_key} if spec.api_key else {}
+        pid = ray.get(host.start.remote(argv, ROUTER_READY_PREFIX, env))
+        deadline = time.monotonic() + 120
+        try:
+            while (info := ray.get(host.poll_ready.remote(0.5))) is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the router did not report ready within 120 s")
+        except Exception as exc:
+            ray.kill(host)
+            raise RuntimeError(f"router failed to start: {_error_of(exc)}") from None
+        self._router_host = host
+        node = ray.get(host.node.remote())
+        self.router = {"http": info["http"], "grpc": info["grpc"], "node": node["ip"], "pid": pid}
+        if self._channel is not None:
+            self._channel.close()
+        port = info["grpc"].rsplit(":", 1)[1]
+        bind = info["grpc"].rsplit(":", 1)[0]
+        target = f"127.0.0.1:{port}" if bind in ("0.0.0.0", "[::]", "::") else info["grpc"]
+        self._channel = grpc.insecure_channel(target)
+        self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+        logger.info("router ready: http %s, grpc %s", info["http"], info["grpc"])
+
+    def _router_stub(self) -> tandem_pb2_grpc.TandemStub:
+        if self._stub is None:
+            raise RuntimeError("the router is not running")
+        return self._stub
+
+    def _metadata(self) -> tuple:
+        return (("authorization", f"Bearer {self.spec.api_key}"),) if self.spec.api_key else ()
+
+    def _register(self, r: Replica) -> None:
+        self._router_stub().RegisterWorker(tandem_pb2.RegisterWorkerRequest(role=r.role, address=r.address),
+                                           timeout=10.0, metadata=self._metadata())
+
+    def _deregister(self, r: Replica, drain: bool = False) -> None:
+        if not r.address:
+            return
+        try:
+            self._router_stub().DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=r.address, drain=drain),
+                                                 timeout=10.0, metadata=self._metadata())
+        except (grpc.RpcError, RuntimeError) as exc:
+            logger.warning("could not deregister %s from the router: %s", r.id, exc)
+
+    def _router_view(self) -> dict[str, Any] | None:
+        try:
+            return {w.address: w for w in self._router_stub().GetCluster(
+                tandem_pb2.GetClusterRequest(), timeout=5.0, metadata=self._metadata()).workers}
+        except (grpc.RpcError, RuntimeError):
+            return None
+
+    # -- reconcile loop ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping.wait(0.5):
+            try:
+                self._check_router()
+                self._check_replicas()
+                self._reconcile()
+            except Exception:  # noqa: BLE001 - the loop must outlive one bad tick
+                logger.exception("reconcile tick failed")
+
+    def _check_router(self) -> None:
+        try:
+            code = ray.get(self._router_host.returncode.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            code = -9
+        except ray.exceptions.GetTimeoutError:
+            return
+        if code is None:
+            return
+        logger.error("the router exited (code %s); restarting it", code)
+        try:
+            ray.kill(self._router_host)
+        except Exception:  # noqa: BLE001
+            pass
+        self._start_router()
+        with self._lock:
+            running = [r for r in self.replicas if r.state in ("running", "draining")]
+        for r in running:
+            self._register(r)
+            if r.state == "draining":
+                self._deregister(r, drain=True)
+
+    def _check_replicas(self) -> None:
+        with self._lock:
+            watched = [r for r in self.replicas if r.state in ("running", "draining") and not r.busy]
+        for r in watched:
+            codes: list[int | None] = []
+            try:
+                codes = ray.get([h.returncode.remote() for h in r.hosts], timeout=10)
+            except ray.exceptions.RayActorError:
+                codes = [-9]
+            except ray.exceptions.GetTimeoutError:
+                continue
+            dead = [(rank, code) for rank, code in enumerate(codes) if code is not None]
+            if not dead:
+                continue
+            rank, code = dead[0]
+            tail = self._tail(r.hosts[rank]) if rank < len(r.hosts) else ""
+            error = f"rank {rank} (pid {r.pids[rank] if rank < len(r.pids) else '?'}) exited with code {code}"
+            logger.error("%s worker %s at %s: %s; %s", r.role, r.id, r.address, error,
+                         "removing it" if r.state == "draining" else "restarting it")
+            self._deregister(r)
+            self._teardown(r)
+            with self._lock:
+                if r.state == "draining":
+                    self.replicas.remove(r)
+                    continue
+                r.restarts += 1
+                record_failure(r, error + (f"; last stderr lines:\n{tail}" if tail else ""), time.monotonic())
+
+    def _reconcile(self) -> None:
+        now = time.monotonic()
+        view = None
+        with self._lock:
+            for role in ROLES:
+                live = [r for r in self.replicas if r.role == role and r.state != "draining"]
+                for _ in range(self.desired[role] - len(live)):
+                    r = Replica(f"{role}-{next(self._ids[role])}", role, self.spec.tp[role])
+                    self.replicas.append(r)
+                    live.append(r)
+                surplus = len(live) - self.desired[role]
+                # Remove what is not serving first (failed, backing off, still starting), newest first.
+                order = sorted(live, key=lambda r: (r.state == "running", -self.replicas.index(r)))
+                for r in order[:max(0, surplus)]:
+                    if r.state == "running":
+                        r.state = "draining"
+                        logger.info("draining %s worker %s at %s", r.role, r.id, r.address)
+                        threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
+                    elif not r.busy:
+                        self.replicas.remove(r)
+                        threading.Thread(target=self._teardown, args=(r,), daemon=True).start()
+                    else:
+                        r.state = "draining"      # the start thread sees it and tears down
+            to_start = [r for r in self.replicas if not r.busy and r.state in ("pending", "restarting", "crashloop")
+                        and r.next_start <= now]
+            for r in to_start:
+                r.busy, r.state = True, "starting"
+            draining = [r for r in self.replicas if r.state == "draining" and not r.busy]
+        for r in to_start:
+            threading.Thread(target=self._start_replica, args=(r,), name=f"start-{r.id}", daemon=True).start()
+        if draining:
+            view = self._router_view()
+        if view is None:
+            return
+        for r in draining:
+            seen = view.get(r.address)
+            if seen is not None and seen.num_inflight:
+                continue
+            logger.info("%s drained; stopping it", r.id)
+            self._deregister(r)
+            self._teardown(r)
+            with self._lock:
+                if r in self.replicas:
+                    self.replicas.remove(r)
+
+    # -- one replica -------------------------------------------------------------------------
+
+    def _bundle(self) -> dict[str, float]:
+        return {"GPU": 1.0, "CPU": 1.0} if self.spec.use_gpu else {"CPU": self.spec.cpus_per_rank}
+
+    def _start_replica(self, r: Replica) -> None:
+        try:
+            self._launch(r)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the replica's state
+            error = _error_of(exc)
+            self._teardown(r)
+            with self._lock:
+                r.busy = False
+                if r.state == "draining" or self._stopping.is_set():
+                    if r in self.replicas:
+                        self.replicas.remove(r)
+                    return
+                record_failure(r, error, time.monotonic(), config_error=f"exit code {CONFIG_ERROR_EXIT})" in error)
+            logger.error("%s did not start: %s", r.id, error)
+            return
+        with self._lock:
+            r.busy = False
+            if r.state == "draining" or self._stopping.is_set():
+                abandon = True
+            else:
+                abandon = False
+                r.state, r.ever_ready, r.up_since, r.last_error = "running", True, time.monotonic(), ""
+        if abandon:
+            self._deregister(r)
+            self._teardown(r)
+            with self._lock:
+                if r in self.replicas:
+                    self.replicas.remove(r)
+            return
+        logger.info("%s worker %s is serving at %s (pid %s, node %s)", r.role, r.id, r.address, r.pids[0], r.node)
+
+    def _launch(self, r: Replica) -> None:
+        spec = self.spec
+        r.pg = placement_group([self._bundle() for _ in range(r.tp)], strategy="STRICT_PACK", name=f"tandem-{r.id}")
+        waited = 0.0
+        while not self._ready_or_stop(r.pg.ready(), 5.0):
+            waited += 5.0
+            r.last_error = (f"waiting {waited:.0f} s for resources: {r.tp} x {self._bundle()} on one node "
+                            f"(cluster has {ray.available_resources()})")
+            if waited >= spec.start_timeout_s:
+                raise RuntimeError(r.last_error)
+        strategy = [PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=i) for i in range(r.tp)]
+        bundle = self._bundle()
+        r.hosts = [ProcessHost.options(num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                                       scheduling_strategy=strategy[i]).remote(f"{r.id} rank {i}")
+                   for i in range(r.tp)]
+        node = ray.get(r.hosts[0].node.remote())
+        r.node = node["ip"]
+        flags = ["--model", spec.model, "--host", node["ip"], "--port", "0", *spec.worker_flags]
+        if not spec.use_gpu and "--num-threads" not in spec.worker_flags:
+            with self._lock:
+                ranks = sum(self.desired[role] * spec.tp[role] for role in ROLES)
+            flags += ["--num-threads", str(spec.num_threads or max(1, node["cpus"] // max(1, ranks)))]
+        if r.tp > 1:
+            flags += ["--tensor-parallel-size", str(r.tp),
+                      "--dist-init-address", f"{node['ip']}:{ray.get(r.hosts[0].free_port.remote())}"]
+        argvs = [[sys.executable, "-m", f"{r.role}_worker", *flags, *(["--tp-rank", str(i)] if r.tp > 1 else [])]
+                 for i in range(r.tp)]
+        r.pids = ray.get([h.start.remote(argv, WORKER_READY_PREFIX, {}) for h, argv in zip(r.hosts, argvs)])
+        deadline = time.monotonic() + spec.start_timeout_s
+        infos: list[dict | None] = [None] * r.tp
+        while not all(infos):
+            if self._stopping.is_set() or r.state == "draining":
+                raise RuntimeError("stopped while starting")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {spec.start_timeout_s:.0f} s")
+            pending = [i for i, info in enumerate(infos) if info is None]
+            for i, info in zip(pending, ray.get([r.hosts[i].poll_ready.remote(0.5) for i in pending])):
+                infos[i] = info
+        r.address = infos[0]["grpc"]
+        r.pids = [info["pid"] for info in infos]
+        self._register(r)
+        # Traffic comes only after the router's heartbeat found it healthy.
+        while True:
+            view = self._router_view() or {}
+            seen = view.get(r.address)
+            if seen is not None and seen.healthy:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the router never saw {r.address} healthy")
+            if self._stopping.is_set() or r.state == "draining":
+                raise RuntimeError("stopped while starting")
+            time.sleep(0.2)
+
+    def _ready_or_stop(self, ref, timeout_s: float) -> bool:
+        ready, _ = ray.wait([ref], timeout=timeout_s)
+        if self._stopping.is_set():
+            raise RuntimeError("stopped while waiting for resources")
+        return bool(ready)
+
+    def _tail(self, host) -> str:
+        try:
+            return ray.get(host.stderr_tail.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - the host may be gone
+            return ""
+
+    def _teardown(self, r: Replica) -> None:
+        self._teardown_many([r])
+
+    def _teardown_many(self, replicas: list[Replica]) -> None:
+        """Stop every rank (SIGTERM, then SIGKILL), kill the hosts, free the placement groups."""
+        refs = []
+        for r in replicas:
+            for h in r.hosts:
+                refs.append(h.stop.remote(10.0))
+        if refs:
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=20)
+            except Exception:  # noqa: BLE001
+                pass
+        for r in replicas:
+            for h in r.hosts:
+                try:
+                    ray.kill(h)
+                except Exception:  # noqa: BLE001
+                    pass
+            r.hosts = []
+            if r.pg is not None:
+                try:
+                    remove_placement_group(r.pg)
+                except Exception:  # noqa: BLE001
+                    pass
+                r.pg = None

@@ -1,0 +1,437 @@
+"""``tandem serve | status | scale | down``: the user's side of the Ray orchestration.
+
+Runs in the user's shell process. ``serve`` checks what it can before touching Ray (model,
+TP sizes, ports, memory), connects to the Ray cluster (or starts a local one), starts the
+controller actor (deploy/controller.py) and waits until every worker is serving. The other
+commands find the controller by name on the cluster at ``--address`` (default: the running one).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+from engine.cli_args import add_config_args
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.serving.config import WorkerConfig
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+
+logger = logging.getLogger(__name__)
+WORKER_KNOBS = ("kv_backend", "kv_lease_s", "log_interval_s", "num_threads")
+READY_POLL_S = 0.5
+
+
+class ServeError(ValueError):
+    """A startup check failed or the deployment could not come up (printed, exit 2)."""
+
+
+# -- parsers ---------------------------------------------------------------------------------
+
+
+def _address_arg(p: argparse.ArgumentParser, serve: bool) -> None:
+    p.add_argument("--address", default=None,
+                   help="Ray cluster: 'auto' (the running one), 'local' (start a new local one, "
+                        "dashboard off) or host:port; default: the running one"
+                        + (", else a new local one" if serve else ""))
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    d = RouterConfig()
+    p = sub.add_parser("serve", help="serve a model: router + prefill and decode workers on Ray",
+                       description="Start the router and the prefill/decode workers on a Ray cluster (or a new "
+                                   "local one) and print the HTTP and gRPC addresses once every worker is ready. "
+                                   "Ctrl-C (or `tandem down`) stops everything it started.")
+    p.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill worker replicas (default 1)")
+    p.add_argument("--decode", type=int, default=1, metavar="N", help="decode worker replicas (default 1)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=None, metavar="N",
+                   help="TP ranks per replica, both roles (default 1)")
+    p.add_argument("--prefill-tp", type=int, default=None, metavar="N", help="TP ranks per prefill replica")
+    p.add_argument("--decode-tp", type=int, default=None, metavar="N", help="TP ranks per decode replica")
+    p.add_argument("--host", default=d.host, help=f"address the router's HTTP and gRPC servers bind "
+                                                  f"(default {d.host}; 0.0.0.0 for every interface)")
+    p.add_argument("--http-port", type=int, default=d.http_port, help=f"router HTTP port (default {d.http_port})")
+    p.add_argument("--grpc-port", type=int, default=d.grpc_port, help=f"router gRPC port (default {d.grpc_port})")
+    _address_arg(p, serve=True)
+    p.add_argument("--detach", action="store_true",
+                   help="return once serving and leave the deployment running (stop it with `tandem down`)")
+    p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""), help="or TANDEM_API_KEY")
+    p.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
+    p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
+    p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
+    p.add_argument("--cpus-per-worker", type=float, default=0.1,
+                   help="Ray CPU demand per worker rank on CPU-only clusters (default 0.1, so router + 2 "
+                        "workers fit on 2 cores); GPU clusters reserve 1 GPU + 1 CPU per rank")
+    p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
+    p.add_argument("--log-level", default="INFO")
+    add_config_args(p, ModelConfig)
+    add_config_args(p, CacheConfig)
+    add_config_args(p, SchedulerConfig)
+    add_config_args(p, WorkerConfig, skip=tuple(f.name for f in dataclasses.fields(WorkerConfig)
+                                                 if f.name not in WORKER_KNOBS))
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("status", help="the deployment's router and workers (role, address, load, KV usage)")
+    _address_arg(p, serve=False)
+    p.add_argument("--json", action="store_true", help='one object {"router": {...}, "workers": [...]}')
+    p.set_defaults(func=cmd_status, log_level="WARNING")
+
+    p = sub.add_parser("scale", help="set the number of prefill or decode replicas, live",
+                       description="Add replicas (they take traffic once registered and healthy) or drain and "
+                                   "remove them (no new requests; in-flight ones finish first).")
+    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("replicas", type=int)
+    _address_arg(p, serve=False)
+    p.add_argument("--no-wait", action="store_true", help="return at once instead of when the change is done")
+    p.add_argument("--timeout-s", type=float, default=900.0)
+    p.set_defaults(func=cmd_scale, log_level="WARNING")
+
+    p = sub.add_parser("down", help="stop the deployment (and the Ray cluster `tandem serve --detach` started)")
+    _address_arg(p, serve=False)
+    p.set_defaults(func=cmd_down, log_level="WARNING")
+
+
+def flags_from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that pass ``args``' non-default values of ``cls``'s fields on to a worker."""
+    flags: list[str] = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip or not hasattr(args, f.name):
+            continue
+        value = getattr(args, f.name)
+        if value == f.default:
+            continue
+        name = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(name if value else "--no-" + name[2:])
+        else:
+            flags += [name, str(value)]
+    return flags
+
+
+# -- startup checks --------------------------------------------------------------------------
+
+
+def _tp_sizes(args: argparse.Namespace) -> dict[str, int]:
+    both = args.tensor_parallel_size
+    if both is not None and (args.prefill_tp is not None or args.decode_tp is not None):
+        raise ServeError("give --tensor-parallel-size, or --prefill-tp / --decode-tp, not both")
+    tp = {"prefill": args.prefill_tp or both or 1, "decode": args.decode_tp or both or 1}
+    if min(tp.values()) < 1:
+        raise ServeError(f"TP sizes must be >= 1, got {tp}")
+    if tp["prefill"] != tp["decode"]:
+        raise ServeError(f"--prefill-tp {tp['prefill']} and --decode-tp {tp['decode']} differ: KV blocks move "
+                         "rank to rank, so both roles need the same TP size")
+    return tp
+
+
+def check_model(args: argparse.Namespace, tp: dict[str, int]) -> Any:
+    """The model's architecture; fails when a TP size does not divide its heads."""
+    from engine.model_source import load_arch, resolve_model
+
+    arch = load_arch(resolve_model(args.model))
+    for role, size in tp.items():
+        if arch.num_kv_heads % size or arch.num_heads % size:
+            fits = [n for n in range(1, arch.num_kv_heads + 1)
+                    if arch.num_kv_heads % n == 0 and arch.num_heads % n == 0]
+            raise ServeError(f"{role} TP size {size} does not divide the model's {arch.num_kv_heads} KV heads and "
+                             f"{arch.num_heads} attention heads: use --tensor-parallel-size "
+                             f"{' or '.join(map(str, fits))}")
+    return arch
+
+
+def check_ports(host: str, ports: dict[str, int]) -> None:
+    for flag, port in ports.items():
+        if port <= 0:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+            except OSError as exc:
+                raise ServeError(f"port {port} on {host} is taken ({exc.strerror}): stop what uses it or pick "
+                                 f"another with {flag}") from None
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], num_workers: int) -> None:
+    """On a one-node CPU cluster: every worker's weights and KV pool must fit this machine."""
+    from deploy.plan import DEFAULT_CPU_KV_CACHE_BYTES, Workload, make_plan
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    plan = make_plan(arch, args.model, dtype=dtype, block_size=args.block_size,
+                     tensor_parallel_size=tp["decode"], workload=Workload(1024, 256), memory_bytes=None,
+                     gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,
+                     max_model_len=args.max_model_len, chunked_prefill_size=args.chunked_prefill_size,
+                     max_num_seqs=args.max_num_seqs)
+    if plan.num_blocks * plan.block_size < plan.max_model_len:
+        per_token = plan.kv_bytes_per_token
+        raise ServeError(f"the KV pool holds {plan.kv_tokens} tokens ({plan.kv_budget_bytes / 2**30:.2f} GiB at "
+                         f"{per_token} bytes per token), less than one max_model_len={plan.max_model_len} sequence: "
+                         f"lower --max-model-len or raise --kv-cache-memory to at least "
+                         f"{per_token * plan.max_model_len / 2**30:.2f} GiB")
+    ranks = num_workers
+    kv = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
+    need = ranks * (plan.weight_bytes_per_gpu + kv)
+    available = _mem_available()
+    if available is not None and need > available:
+        raise ServeError(f"{ranks} worker processes need {need / 2**30:.1f} GiB ({plan.weight_bytes_per_gpu / 2**30:.2f} "
+                         f"GiB weights + {kv / 2**30:.2f} GiB KV pool each) but this machine has "
+                         f"{available / 2**30:.1f} GiB available: use fewer replicas (--prefill/--decode), "
+                         f"--dtype bfloat16, or a smaller --kv-cache-memory")
+    shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+    if args.shared_memory and shm is not None and ranks * kv > shm:
+        raise ServeError(f"{ranks} KV pools of {kv / 2**30:.2f} GiB need {ranks * kv / 2**30:.1f} GiB of /dev/shm, "
+                         f"which has {shm / 2**30:.1f} GiB free: lower --kv-cache-memory or enlarge /dev/shm")
+
+
+# -- Ray -------------------------------------------------------------------------------------
+
+
+def connect(address: str | None, *, may_start: bool = False, detach: bool = False) -> bool:
+    """Connect this process to Ray; returns True when it started a local cluster with
+    ``ray start`` (``tandem down`` then stops it)."""
+    import ray
+
+    from deploy.controller import NAMESPACE
+
+    quiet = {"namespace": NAMESPACE, "logging_level": logging.WARNING, "log_to_driver": may_start and not detach}
+    if address != "local":
+        try:
+            ray.init(address=address or "auto", **quiet)
+            return False
+        except ConnectionError as exc:
+            if address is not None or not may_start:
+                raise ServeError(f"no Ray cluster at {address or 'auto'} ({exc}): nothing is serving here; "
+                                 "start with `tandem serve`") from None
+    if not detach:
+        ray.init(include_dashboard=False, **quiet)   # lives as long as this process
+        return False
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    done = subprocess.run([ray_bin, "start", "--head", "--include-dashboard=false", "--disable-usage-stats"],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ServeError(f"`ray start --head` failed:\n{done.stdout}{done.stderr}")
+    ray.init(address="auto", **quiet)
+    return True
+
+
+def _controller():
+    import ray
+
+    from deploy.controller import CONTROLLER_NAME, NAMESPACE
+
+    try:
+        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        raise ServeError("no Tandem deployment is running on this Ray cluster (start one with `tandem serve`)") from None
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    tp = _tp_sizes(args)
+    if args.prefill < 1 or args.decode < 1:
+        raise ServeError(f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}")
+    arch = check_model(args, tp)
+    check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
+    ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+
+    import ray
+
+    owns_cluster = connect(args.address, may_start=True, detach=args.detach)
+    try:
+        return _serve(args, tp, arch, owns_cluster)
+    finally:
+        ray.shutdown()
+
+
+def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster: bool) -> int:
+    import ray
+
+    from deploy.controller import CONTROLLER_NAME, NAMESPACE, Controller, ServeSpec
+
+    try:
+        ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+        raise ServeError("a Tandem deployment is already running on this Ray cluster: see `tandem status`, "
+                         "stop it with `tandem down`")
+    except ValueError:
+        pass
+    use_gpu = args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    alive_nodes = [n for n in ray.nodes() if n["Alive"]]
+    if not use_gpu and len(alive_nodes) == 1:
+        check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
+    router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
+                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
+    if args.served_model_name:
+        router_flags += ["--served-model-name", args.served_model_name]
+    worker_flags = (flags_from_args(ModelConfig, args, skip=("model",)) + flags_from_args(CacheConfig, args)
+                    + flags_from_args(SchedulerConfig, args) + flags_from_args(WorkerConfig, args))
+    spec = ServeSpec(model=args.model, replicas={"prefill": args.prefill, "decode": args.decode}, tp=tp,
+                     worker_flags=worker_flags, router_flags=router_flags, router_host=args.host,
+                     api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
+                     use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
+                     start_timeout_s=args.start_timeout_s)
+    controller = Controller.options(
+        name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
+        scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+            spec.router_node_id, soft=False)).remote(spec)
+    try:
+        router = ray.get(controller.start.remote())
+        print(f"router: HTTP http://{router['http']}/v1  gRPC {router['grpc']}; starting "
+              f"{args.prefill} prefill + {args.decode} decode workers (TP {tp['decode']}) ...", flush=True)
+        status = _wait_settled(controller, args.start_timeout_s)
+    except BaseException as exc:
+        _stop(controller)
+        if owns_cluster:
+            _ray_stop()
+        if isinstance(exc, (ServeError, KeyboardInterrupt)):
+            raise
+        raise ServeError(_remote_error(exc)) from None
+    print(f"Tandem is serving {spec.model} on {len(status['workers'])} workers\n"
+          f"  OpenAI HTTP: http://{router['http']}/v1\n  gRPC:        {router['grpc']}", flush=True)
+    if args.detach:
+        print("detached: `tandem status` shows the workers, `tandem down` stops them", flush=True)
+        return 0
+    print("Ctrl-C stops it", flush=True)
+    try:
+        while True:
+            time.sleep(1.0)
+            try:
+                ray.get(controller.status.remote(), timeout=60)
+            except ray.exceptions.RayActorError:
+                print("the deployment was stopped (tandem down)", flush=True)
+                return 0
+    except KeyboardInterrupt:
+        print("stopping ...", flush=True)
+        _stop(controller)
+        print("stopped", flush=True)
+        return 0
+
+
+def _remote_error(exc: BaseException) -> str:
+    text = str(exc)
+    for marker in ("RuntimeError: ", "ValueError: "):
+        if marker in text:
+            return text[text.rfind(marker) + len(marker):].strip()
+    return text
+
+
+def _stop(controller) -> None:
+    import ray
+
+    try:
+        ray.get(controller.shutdown.remote(), timeout=120)
+    except Exception as exc:  # noqa: BLE001 - kill it anyway
+        logger.warning("controller shutdown: %s", exc)
+    ray.kill(controller)
+
+
+def _ray_stop() -> None:
+    subprocess.run([os.path.join(os.path.dirname(sys.executable), "ray"), "stop"], capture_output=True)
+
+
+def _wait_settled(controller, timeout_s: float, role: str | None = None, count: int | None = None) -> dict:
+    """Until every desired replica is running and nothing drains; fails on a failed replica."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    last_note = time.monotonic()
+    while True:
+        status = ray.get(controller.status.remote())
+        workers = status["workers"]
+        failed = [w for w in workers if w["state"] == "failed"]
+        if failed:
+            raise ServeError("; ".join(f"{w['id']} failed: {w['error']}" for w in failed))
+        counts = {r: sum(w["role"] == r for w in workers) for r in ("prefill", "decode")}
+        if all(w["state"] == "running" for w in workers) and counts == status["desired"]:
+            return status
+        if time.monotonic() > deadline:
+            raise ServeError(f"not settled after {timeout_s:.0f} s: "
+                             + ", ".join(f"{w['id']} {w['state']}" + (f" ({w['error']})" if w["error"] else "")
+                                         for w in workers))
+        if time.monotonic() - last_note > 15:
+            last_note = time.monotonic()
+            print("waiting: " + ", ".join(f"{w['id']} {w['state']}" for w in workers), flush=True)
+        time.sleep(READY_POLL_S)
+
+
+def render_status(status: dict) -> str:
+    r = status["router"]
+    lines = [f"model {status['model']}; router HTTP http://{r.get('http')}/v1, gRPC {r.get('grpc')} "
+             f"(pid {r.get('pid')}, node {r.get('node')}); desired {status['desired']}",
+             f"{'ID':<11} {'ROLE':<8} {'STATE':<10} {'ADDRESS':<22} {'PID':>7} {'NODE':<15} {'RUN':>4} {'WAIT':>5} "
+             f"{'KV':>6} {'RESTARTS':>8}"]
+    for w in status["workers"]:
+        lines.append(f"{w['id']:<11} {w['role']:<8} {w['state']:<10} {w['address'] or '-':<22} {w['pid'] or '-':>7} "
+                     f"{w['node'] or '-':<15} {w['num_running']:>4} {w['num_waiting']:>5} "
+                     f"{100 * w['kv_usage']:>5.1f}% {w['restarts']:>8}")
+    for w in status["workers"]:
+        if w["error"]:
+            lines.append(f"{w['id']}: {w['error']}")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import ray
+
+    connect(args.address)
+    try:
+        status = ray.get(_controller().status.remote())
+    finally:
+        ray.shutdown()
+    print(json.dumps(status) if args.json else render_status(status))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    import ray
+
+    connect(args.address)
+    try:
+        controller = _controller()
+        try:
+            ray.get(controller.scale.remote(args.role, args.replicas))
+        except ray.exceptions.RayTaskError as exc:
+            raise ServeError(_remote_error(exc)) from None
+        if args.no_wait:
+            print(f"{args.role} replicas set to {args.replicas}")
+            return 0
+        status = _wait_settled(controller, args.timeout_s)
+    finally:
+        ray.shutdown()
+    print(render_status(status))
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    import ray
+
+    connect(args.address)
+    try:
+        controller = _controller()
+        status = ray.get(controller.status.remote())
+        _stop(controller)
+    finally:
+        ray.shutdown()
+    if status.get("started_ray"):
+        _ray_stop()
+        print("stopped the deployment and the Ray cluster `tandem serve --detach` started")
+    else:
+        print("stopped the deployment")
+    return 0

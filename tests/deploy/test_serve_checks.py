@@ -1,0 +1,105 @@
+"""`tandem serve` startup checks and the controller's restart policy, without Ray."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from deploy import serve
+from deploy.cli import build_parser
+from deploy.controller import CRASHLOOP_AFTER, MAX_BACKOFF_S, STABLE_AFTER_S, Replica, record_failure
+
+
+def parse(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_only_changed_engine_knobs_are_passed_to_workers():
+    from engine.config import CacheConfig, SchedulerConfig
+
+    args = parse("--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size", "16")
+    assert serve.flags_from_args(SchedulerConfig, args) == ["--max-num-seqs", "8"]
+    assert serve.flags_from_args(CacheConfig, args) == ["--no-enable-prefix-caching"]
+
+
+def test_tp_sizes():
+    assert serve._tp_sizes(parse()) == {"prefill": 1, "decode": 1}
+    assert serve._tp_sizes(parse("--tensor-parallel-size", "2")) == {"prefill": 2, "decode": 2}
+    with pytest.raises(ValueError, match="not both"):
+        serve._tp_sizes(parse("--tp", "2", "--decode-tp", "2"))
+    with pytest.raises(ValueError, match="--prefill-tp 1 and --decode-tp 2 differ"):
+        serve._tp_sizes(parse("--decode-tp", "2"))
+
+
+def test_a_tp_size_that_does_not_divide_the_kv_heads_names_the_sizes_that_do():
+    # SmolLM2-135M: 9 attention heads, 3 KV heads.
+    with pytest.raises(ValueError, match=r"TP size 2 does not divide the model's 3 KV heads and 9 attention "
+                                         r"heads: use --tensor-parallel-size 1 or 3"):
+        serve.check_model(parse("--tp", "2"), {"prefill": 2, "decode": 2})
+
+
+def test_a_taken_port_is_refused_with_the_flag_to_change():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ValueError, match=rf"port {port} on 127.0.0.1 is taken .* pick another with --grpc-port"):
+            serve.check_ports("127.0.0.1", {"--http-port": 0, "--grpc-port": port})
+
+
+def test_a_kv_pool_smaller_than_one_sequence_is_refused_with_numbers():
+    args = parse("--kv-cache-memory", str(1 << 20))       # 1 MiB: 46 tokens of SmolLM2 in float32
+    arch = serve.check_model(args, {"prefill": 1, "decode": 1})
+    with pytest.raises(ValueError, match=r"the KV pool holds \d+ tokens .* less than one max_model_len=8192 sequence: "
+                                         r"lower --max-model-len or raise --kv-cache-memory to at least"):
+        serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
+
+
+def test_weights_that_do_not_fit_this_machine_are_refused(monkeypatch):
+    args = parse()
+    arch = serve.check_model(args, {"prefill": 1, "decode": 1})
+    monkeypatch.setattr(serve, "_mem_available", lambda: 1 << 30)
+    with pytest.raises(ValueError, match=r"2 worker processes need 3\.\d GiB \(0\.50 GiB weights \+ 1\.00 GiB KV pool "
+                                         r"each\) but this machine has 1\.0 GiB available: use fewer replicas"):
+        serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
+
+
+def test_cli_startup_errors_exit_2_before_touching_ray():
+    done = run_cli("serve", "--tp", "2")
+    assert done.returncode == 2
+    assert "tandem serve: error: prefill TP size 2 does not divide" in done.stderr
+    done = run_cli("serve", "--prefill", "0")
+    assert done.returncode == 2 and "--prefill and --decode must be >= 1" in done.stderr
+
+
+def test_restart_policy_backs_off_then_reports_crashloop():
+    r = Replica("decode-0", "decode", 1, state="running", ever_ready=True, up_since=100.0, address="a:1")
+    record_failure(r, "rank 0 exited with code -9", now=101.0)
+    assert (r.state, r.next_start, r.failures, r.address) == ("restarting", 101.0, 1, "")
+    r.up_since = 102.0
+    record_failure(r, "again", now=103.0)
+    assert r.state == "restarting" and r.next_start == 105.0
+    for _ in range(CRASHLOOP_AFTER):
+        r.up_since = 110.0
+        record_failure(r, "still dying", now=111.0)
+    assert r.state == "crashloop" and r.last_error == "still dying"
+    assert r.next_start - 111.0 == min(MAX_BACKOFF_S, 2.0 ** (r.failures - 1))
+    r.up_since = 200.0                                    # up long enough: forgiven
+    record_failure(r, "once", now=200.0 + STABLE_AFTER_S + 1)
+    assert r.state == "restarting" and r.failures == 1
+
+
+def test_restart_policy_gives_up_on_config_errors_and_on_replicas_that_never_came_up():
+    r = Replica("prefill-0", "prefill", 1)
+    record_failure(r, "exited before it was ready (exit code 2)", now=0.0, config_error=True)
+    assert r.state == "failed"
+    r = Replica("prefill-1", "prefill", 1)
+    for i in range(CRASHLOOP_AFTER):
+        record_failure(r, "killed while loading", now=float(i))
+    assert r.state == "failed"
