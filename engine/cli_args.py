@@ -29,6 +29,11 @@ _HELP = {
     "chunked_prefill_size": "prefill tokens per step",
     "schedule_policy": "fcfs or lpm (longest prefix match first)",
     "schedule_conservativeness": "scales the future-token room reserved for running requests",
+    "tensor_parallel_size": "ranks (processes, one per GPU) of one replica; must divide the model's "
+                            "attention and KV heads",
+    "tp_rank": "this process's tensor-parallel rank: 0 schedules and serves, > 0 follows rank 0",
+    "dist_init_address": "host:port where rank 0 hosts the torch.distributed store (required when "
+                         "--tensor-parallel-size > 1; the same on every rank)",
 }
 
 
@@ -59,3 +64,19 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> A
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     values.update(overrides)
     return cls(**values)
+
+
+def config_to_args(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    """The flags that ``add_config_args`` + ``config_from_args`` turn back into ``config``
+    (for spawning a process with the same settings)."""
+    argv: list[str] = []
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.name in skip or value is None:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, str(value)]
+    return argv

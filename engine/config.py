@@ -84,6 +84,47 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism inside one replica: one process per rank (DESIGN.md §8).
+
+    Rank 0 schedules and broadcasts each step; ranks > 0 follow. ``dist_init_address`` is the
+    ``host:port`` where rank 0 hosts the torch.distributed TCPStore every rank joins.
+    """
+
+    tensor_parallel_size: int = 1
+    tp_rank: int = 0
+    dist_init_address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.tp_rank < self.tensor_parallel_size:
+            raise ValueError(f"tp_rank={self.tp_rank} is outside [0, {self.tensor_parallel_size}): "
+                             f"give each of the tensor_parallel_size={self.tensor_parallel_size} ranks "
+                             f"--tp-rank 0..{self.tensor_parallel_size - 1}")
+        if self.tensor_parallel_size > 1 and not self.dist_init_address:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} needs --dist-init-address "
+                             "host:port (where rank 0 hosts the torch.distributed store; the same on every rank)")
+        if self.dist_init_address:
+            host, sep, port = self.dist_init_address.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"dist_init_address={self.dist_init_address!r} is not host:port "
+                                 "(e.g. 127.0.0.1:29500)")
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+    @property
+    def dist_host(self) -> str:
+        return self.dist_init_address.rpartition(":")[0]
+
+    @property
+    def dist_port(self) -> int:
+        return int(self.dist_init_address.rpartition(":")[2])
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (OpenAI / vLLM semantics).
 

@@ -1,15 +1,20 @@
 """In-process `LLM` API: ``LLM(model).generate(prompts, SamplingParams)``.
 
 Runs in the caller's process and thread. It is the colocated twin of the disaggregated system:
-the same engine loop (chunked prefill + continuous-batched decode) with no processes.
+the same engine loop (chunked prefill + continuous-batched decode) with no processes, except
+that ``tensor_parallel_size=N`` spawns N - 1 follower rank processes (engine/tp_spawn.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import DEFAULT_MODEL, CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.config import (DEFAULT_MODEL, CacheConfig, ModelConfig, ParallelConfig, SamplingParams,
+                           SchedulerConfig)
 from engine.llm_engine import LLMEngine
+from engine.model_source import load_arch, resolve_model
+from engine.models.llama import check_tensor_parallel
+from engine.tp_spawn import LocalFollowers
 
 
 @dataclass
@@ -26,10 +31,10 @@ class RequestOutput:
                 "text": self.text, "finish_reason": self.finish_reason}
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict, dict, dict]:
-    groups: tuple[dict, dict, dict] = ({}, {}, {})
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
+    groups: tuple[dict, dict, dict, dict] = ({}, {}, {}, {})
     for key, value in kwargs.items():
-        for group, cls in zip(groups, (ModelConfig, CacheConfig, SchedulerConfig)):
+        for group, cls in zip(groups, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)):
             if key in cls.__dataclass_fields__:
                 group[key] = value
                 break
@@ -40,23 +45,42 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict, dict, dict]:
 
 class LLM:
     """Offline generation. Keyword options are fields of ModelConfig, CacheConfig and
-    SchedulerConfig (e.g. ``dtype``, ``block_size``, ``max_num_seqs``)."""
+    SchedulerConfig (e.g. ``dtype``, ``block_size``, ``max_num_seqs``), plus
+    ``tensor_parallel_size``: with N > 1 this process is rank 0 and spawns ranks 1..N-1."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        model_kw, cache_kw, sched_kw = _split_kwargs(kwargs)
-        self._start(LLMEngine(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw),
-                              SchedulerConfig(**sched_kw)))
+        model_kw, cache_kw, sched_kw, parallel_kw = _split_kwargs(kwargs)
+        tensor_parallel_size = parallel_kw.pop("tensor_parallel_size", 1)
+        if parallel_kw:
+            raise TypeError(f"LLM() spawns its own TP ranks; {sorted(parallel_kw)} are for worker processes")
+        self._start(ModelConfig(model=model, **model_kw), CacheConfig(**cache_kw), SchedulerConfig(**sched_kw),
+                    tensor_parallel_size)
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, cache_config: CacheConfig,
-                     scheduler_config: SchedulerConfig) -> LLM:
+                     scheduler_config: SchedulerConfig, parallel_config: ParallelConfig | None = None) -> LLM:
+        """``parallel_config``: only its ``tensor_parallel_size`` counts; the ranks are local."""
         llm = cls.__new__(cls)
-        llm._start(LLMEngine(model_config, cache_config, scheduler_config))
+        size = 1 if parallel_config is None else parallel_config.tensor_parallel_size
+        llm._start(model_config, cache_config, scheduler_config, size)
         return llm
 
-    def _start(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def _start(self, model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
+               tensor_parallel_size: int) -> None:
+        self.followers: LocalFollowers | None = None
+        parallel = ParallelConfig()
+        if tensor_parallel_size > 1:
+            # Fail before spawning anything when the heads cannot be split.
+            check_tensor_parallel(load_arch(resolve_model(model_config.model)), tensor_parallel_size)
+            self.followers = LocalFollowers(model_config, cache_config, scheduler_config, tensor_parallel_size)
+            parallel = self.followers.parallel
+        try:
+            self.engine = LLMEngine(model_config, cache_config, scheduler_config, parallel_config=parallel)
+        except BaseException:
+            if self.followers is not None:
+                self.followers.stop(timeout_s=0)
+            raise
+        self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
     def generate(self, prompts: str | list[str] | list[list[int]],
@@ -105,4 +129,9 @@ class LLM:
         return [results[r] for r in added]
 
     def close(self) -> None:
-        self.engine.close()
+        """Free the KV pool; with TP, stop the follower ranks and wait for them to exit."""
+        try:
+            self.engine.close()
+        finally:
+            if self.followers is not None:
+                self.followers.stop()

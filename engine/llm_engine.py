@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockAllocator
-from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, SamplerOutput, SamplingRequest, advance_generator, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
@@ -33,11 +33,19 @@ class StepOutput:
 
 class LLMEngine:
     """Schedule, run, postprocess. ``keep_finished_blocks``: a finished request's blocks stay
-    referenced until ``release`` (a prefill worker ships them after the request ends)."""
+    referenced until ``release`` (a prefill worker ships them after the request ends).
+
+    With ``parallel_config.tensor_parallel_size > 1`` this is rank 0: it joins the TP group
+    (whose followers must be started separately) and its runner broadcasts every step."""
 
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, keep_finished_blocks: bool = False) -> None:
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size)
+                 scheduler_config: SchedulerConfig, keep_finished_blocks: bool = False,
+                 parallel_config: ParallelConfig = ParallelConfig()) -> None:
+        if not parallel_config.is_leader:
+            raise ValueError(f"tp_rank={parallel_config.tp_rank}: an LLMEngine is rank 0; ranks > 0 run "
+                             "engine.tp_follower")
+        self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size,
+                                  parallel_config)
         try:
             self.tokenizer = Tokenizer.from_model(str(self.runner.source.path))
         except BaseException:
@@ -124,14 +132,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, after_layer: Callable[[int, ScheduledBatch], None] | None = None) -> list[StepOutput]:
+    def step(self, after_layer: Callable[[int, ScheduledBatch], None] | None = None,
+             step_extra: Callable[[ScheduledBatch], dict] | None = None) -> list[StepOutput]:
         """One schedule-run-postprocess round; ``after_layer(i, batch)`` runs once layer i's K/V
-        is cached (see LlamaForCausalLM.forward)."""
+        is cached (see LlamaForCausalLM.forward); ``step_extra(batch)`` is what TP followers
+        get with the step for their own ``after_layer``."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         hook = None if after_layer is None else (lambda i: after_layer(i, batch))
-        logits = self.runner.execute(batch, hook)
+        extra = None if step_extra is None else step_extra(batch)
+        logits = self.runner.execute(batch, hook, extra)
         sampling = self._sampling_seqs(batch)
         sampled = self.sampler(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids,
                                                         s.generator) for s in sampling])

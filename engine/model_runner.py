@@ -3,24 +3,31 @@
 Runs in the engine thread of a worker. It never decides policy: the scheduler says which
 tokens run; the runner turns them into tensors (ids, positions, slots, block tables), runs the
 model, and returns float32 logits for the rows that sample.
+
+Under tensor parallelism every rank has a runner holding its shard of the weights and a KV pool
+of its own KV heads (same block count on every rank). Rank 0's ``execute`` broadcasts the
+step's host-side inputs (:class:`StepInputs`, msgpack) before running it; a follower runs the
+same forward from them with ``execute_step``.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import CacheConfig, ModelConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig
+from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVLayout, KVPool, capacity_lines
 from engine.loader import Checkpoint, resolve_model
 from engine.models.arch import ArchConfig
-from engine.models.layers import RotaryEmbedding
-from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM
+from engine.models.layers import RotaryEmbedding, TensorParallel
+from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM, check_tensor_parallel
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -37,12 +44,36 @@ class ForwardInputs:
     sample_rows: torch.Tensor   # rows of the hidden states whose logits are needed
 
 
-def pick_device(config: ModelConfig) -> torch.device:
-    if config.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if config.device == "cuda" and not torch.cuda.is_available():
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's forward inputs as plain host lists: what rank 0 broadcasts to followers."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    prefill_tables: list[list[int]]
+    decode_lens: list[int]
+    decode_tables: list[list[int]]
+    sample_rows: list[int]
+
+    def to_wire(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> StepInputs:
+        return cls(**{name: body[name] for name in cls.__dataclass_fields__})
+
+
+def pick_device(config: ModelConfig, tp_rank: int = 0) -> torch.device:
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but torch sees no CUDA device; use --device cpu")
-    return torch.device(config.device)
+    # One GPU per rank: rank r takes visible device r (or device 0 when the launcher gave each
+    # rank process its own CUDA_VISIBLE_DEVICES).
+    return torch.device("cuda", tp_rank % torch.cuda.device_count())
 
 
 def pick_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -66,21 +97,42 @@ def attention_backend(config: ModelConfig, device: torch.device) -> ModuleType:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig,
-                 max_num_batched_tokens: int) -> None:
-        self.device = pick_device(model_config)
+                 max_num_batched_tokens: int, parallel: ParallelConfig = ParallelConfig()) -> None:
+        self.parallel = parallel
+        self.device = pick_device(model_config, parallel.tp_rank)
         self.dtype = pick_dtype(model_config, self.device)
         checkpoint = Checkpoint(resolve_model(model_config.model))
         self.source = checkpoint.source
         self.arch: ArchConfig = checkpoint.arch
+        check_tensor_parallel(self.arch, parallel.tensor_parallel_size)  # before waiting for peers
         self.max_model_len = self._max_model_len(model_config.max_model_len)
         self.block_size = cache_config.block_size
+        self.group: TPGroup | None = None
+        self.leader: Leader | None = None
+        self.kv_pool: KVPool | None = None
+        try:
+            self._start(model_config, cache_config, max_num_batched_tokens, checkpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, model_config: ModelConfig, cache_config: CacheConfig, max_num_batched_tokens: int,
+               checkpoint: Checkpoint) -> None:
+        tp = TensorParallel()
+        if self.parallel.tensor_parallel_size > 1:
+            self.group = TPGroup(self.parallel, self.device)
+            tp = TensorParallel(self.group.rank, self.group.size, self.group.all_reduce)
         started = time.perf_counter()
-        self.model = self._load_model(checkpoint, attention_backend(model_config, self.device))
-        logger.info("loaded %s (%s, %.1fM params, %s) in %.1f s", self.source.path, self.arch.architecture,
-                    self.arch.num_params / 1e6, self.dtype, time.perf_counter() - started)
-        self.layout = KVLayout(self.arch.num_layers, self.arch.num_kv_heads, self.arch.head_dim,
+        self.model = self._load_model(checkpoint, attention_backend(model_config, self.device), tp)
+        logger.info("loaded %s (%s, %.1fM params, %s, TP rank %d of %d) in %.1f s", self.source.path,
+                    self.arch.architecture, self.arch.num_params / 1e6, self.dtype, tp.rank, tp.size,
+                    time.perf_counter() - started)
+        self.layout = KVLayout(self.arch.num_layers, tp.split(self.arch.num_kv_heads), self.arch.head_dim,
                                self.block_size, self.dtype)
         num_blocks = self._num_kv_blocks(cache_config, max_num_batched_tokens)
+        if self.group is not None:
+            # Every rank must index the same blocks: the smallest pool any rank can hold wins.
+            num_blocks = self.group.all_min([num_blocks])[0]
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV pool holds {num_blocks} blocks x {self.block_size} tokens = "
@@ -92,6 +144,11 @@ class ModelRunner:
         self.kv_caches = self.kv_pool.layer_caches()
         for line in capacity_lines(num_blocks, self.block_size, self.max_model_len):
             logger.info(line)
+        if self.group is not None:
+            self.group.all_min([0])  # every rank has its pool: followers now enter their loop
+            if self.group.is_leader:
+                self.leader = Leader(self.group)
+                self.leader.start_heartbeat()
 
     def _max_model_len(self, asked: int | None) -> int:
         window = self.arch.sliding_window
@@ -110,14 +167,14 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv_pool.num_blocks
 
-    def _load_model(self, checkpoint: Checkpoint, backend: ModuleType) -> LlamaForCausalLM:
+    def _load_model(self, checkpoint: Checkpoint, backend: ModuleType, tp: TensorParallel) -> LlamaForCausalLM:
         cls = MODEL_CLASSES[self.arch.architecture]
         max_positions = max(self.max_model_len, self.arch.max_position_embeddings)
         rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope_theta,
                                  self.arch.rope_scaling, self.device, checkpoint.rope_freq_factors())
         # Built on the meta device: parameters get their storage from the checkpoint itself.
         with torch.device("meta"):
-            model = cls(self.arch, backend, rotary)
+            model = cls(self.arch, backend, rotary, tp)
         model.load_weights(checkpoint.weights(), self.dtype, self.device)
         return model.eval()
 
@@ -156,12 +213,15 @@ class ModelRunner:
 
     def _prepare_prefill_probe(self, ids: torch.Tensor) -> ForwardInputs:
         n = ids.shape[0]
-        table = torch.arange(-(-n // self.block_size), dtype=torch.int32, device=self.device)[None]
-        return self._to_inputs([0] * n, list(range(n)), list(range(n)), [0, n], [n], table,
-                               [], torch.zeros(0, 1, dtype=torch.int32), [n - 1])
+        table = list(range(-(-n // self.block_size)))
+        return self.to_device(StepInputs([0] * n, list(range(n)), list(range(n)), [0, n], [n], [table],
+                                         [], [], [n - 1]))
 
     # -- one step ------------------------------------------------------------------------
     def prepare(self, batch: ScheduledBatch) -> ForwardInputs:
+        return self.to_device(self.host_inputs(batch))
+
+    def host_inputs(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -181,7 +241,7 @@ class ModelRunner:
             seq_lens.append(end)
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
-        prefill_tables = self._block_table([s.block_ids for s, _ in batch.prefills])
+        prefill_tables = [list(s.block_ids) for s, _ in batch.prefills]
         decode_lens: list[int] = []
         for seq in batch.decodes:
             p = seq.num_tokens - 1
@@ -190,25 +250,27 @@ class ModelRunner:
             slots.append(seq.block_ids[p // bs] * bs + p % bs)
             decode_lens.append(p + 1)
             sample_rows.append(len(input_ids) - 1)
-        decode_tables = self._block_table([s.block_ids for s in batch.decodes])
-        return self._to_inputs(input_ids, positions, slots, query_start_loc, seq_lens, prefill_tables,
-                               decode_lens, decode_tables, sample_rows)
+        decode_tables = [list(s.block_ids) for s in batch.decodes]
+        return StepInputs(input_ids, positions, slots, query_start_loc, seq_lens, prefill_tables,
+                          decode_lens, decode_tables, sample_rows)
 
-    def _block_table(self, tables: list[list[int]]) -> torch.Tensor:
+    @staticmethod
+    def _block_table(tables: list[list[int]]) -> torch.Tensor:
         if not tables:
             return torch.zeros(0, 1, dtype=torch.int32)
         width = max(len(t) for t in tables)
         return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
-    def _to_inputs(self, input_ids, positions, slots, query_start_loc, seq_lens, prefill_tables,
-                   decode_lens, decode_tables, sample_rows) -> ForwardInputs:
+    def to_device(self, step: StepInputs) -> ForwardInputs:
         dev = self.device
+        query_start_loc, seq_lens, decode_lens = step.query_start_loc, step.seq_lens, step.decode_lens
+        prefill_tables, decode_tables = self._block_table(step.prefill_tables), self._block_table(step.decode_tables)
 
         def tensor(values, dtype):
             return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
 
         meta = AttentionMetadata(
-            slot_mapping=tensor(slots, torch.long),
+            slot_mapping=tensor(step.slots, torch.long),
             num_prefills=len(seq_lens),
             num_prefill_tokens=query_start_loc[-1],
             query_start_loc=tensor(query_start_loc, torch.int32),
@@ -220,15 +282,40 @@ class ModelRunner:
             prefill_seq_lens_host=tuple(seq_lens),
             max_decode_seq_len=max(decode_lens, default=0),
         )
-        return ForwardInputs(tensor(input_ids, torch.long), tensor(positions, torch.long), meta,
-                             tensor(sample_rows, torch.long))
+        return ForwardInputs(tensor(step.input_ids, torch.long), tensor(step.positions, torch.long), meta,
+                             tensor(step.sample_rows, torch.long))
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run one step; float32 logits ``[num_sampling_seqs, vocab]`` in batch order."""
-        inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)
-        return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+    def execute(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None,
+                extra: dict[str, Any] | None = None) -> torch.Tensor:
+        """Run one step; float32 logits ``[num_sampling_seqs, vocab]`` in batch order.
+
+        With followers, the step (and ``extra``, a msgpack-able dict for their role's
+        ``after_layer``) is broadcast first and the whole forward runs as one transaction.
+        """
+        step = self.host_inputs(batch)
+        inputs = self.to_device(step)
+        if self.leader is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)
+            return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+        with self.leader.transaction() as group:
+            group.send(STEP, {"inputs": step.to_wire(), "extra": extra or {}})
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)
+            return self.model.compute_logits(hidden.index_select(0, inputs.sample_rows))
+
+    @torch.inference_mode()
+    def execute_step(self, step: StepInputs, after_layer: Callable[[int], None] | None = None) -> None:
+        """A follower's part of rank 0's step: the same forward on this rank's shard (its KV
+        heads land in its own pool; the logits are rank 0's to compute)."""
+        inputs = self.to_device(step)
+        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)
 
     def close(self) -> None:
-        self.kv_pool.close()
+        if self.leader is not None:
+            self.leader.stop()   # followers leave their loops
+            self.leader = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        if self.kv_pool is not None:
+            self.kv_pool.close()

@@ -6,11 +6,34 @@ parameters filled by the loader.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in its TP group, as the model layers see it.
+
+    Column-parallel layers (q/k/v, gate/up) hold this rank's slice of the output features;
+    row-parallel layers (o_proj, down_proj) hold the matching slice of the input features and
+    sum their partial outputs over the ranks with ``all_reduce`` (in place).
+    """
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.all_reduce is None else self.all_reduce(x)
+
+    def split(self, n: int) -> int:
+        """This rank's share of ``n`` heads / features (divisibility was checked at startup)."""
+        return n // self.size
 
 
 class RMSNorm(nn.Module):
@@ -73,11 +96,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GatedMLP(nn.Module):
     """SwiGLU with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.tp = tp
+        local = tp.split(intermediate)
+        self.gate_up_proj = nn.Linear(hidden, 2 * local, bias=False)   # column-parallel
+        self.down_proj = nn.Linear(local, hidden, bias=False)          # row-parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.tp.reduce(self.down_proj(F.silu(gate) * up))

@@ -14,19 +14,54 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, TensorParallel, apply_rotary
 
 # HF parameter name suffix -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+# Tensor parallelism: which dim of an HF tensor is split over the ranks (others are replicated).
+_COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")   # output features
+_ROW_PARALLEL = ("o_proj", "down_proj")                                     # input features
+
+
+def check_tensor_parallel(cfg: ArchConfig, tensor_parallel_size: int) -> None:
+    """ValueError naming the sizes that would work when ``tensor_parallel_size`` cannot split
+    the model's heads (each rank holds whole attention and KV heads) or its MLP."""
+    tp = tensor_parallel_size
+    if not (cfg.num_kv_heads % tp or cfg.num_heads % tp or cfg.intermediate_size % tp):
+        return
+    valid = [d for d in range(1, cfg.num_kv_heads + 1)
+             if cfg.num_kv_heads % d == 0 and cfg.num_heads % d == 0 and cfg.intermediate_size % d == 0]
+    choices = ", ".join(map(str, valid[:-1])) + (" or " if len(valid) > 1 else "") + str(valid[-1])
+    raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {cfg.num_kv_heads} KV heads "
+                     f"(and {cfg.num_heads} attention heads, intermediate_size {cfg.intermediate_size}); "
+                     f"use --tensor-parallel-size {choices}")
+
+
+def shard_weight(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of an HF-named checkpoint tensor, copied out so the full tensor can be
+    dropped as soon as the loader moves on."""
+    if tp.size == 1:
+        return tensor
+    if any(f".{n}." in name for n in _COLUMN_PARALLEL):
+        dim = 0
+    elif any(f".{n}." in name for n in _ROW_PARALLEL) and name.endswith(".weight"):
+        dim = 1
+    else:
+        return tensor
+    return tensor.chunk(tp.size, dim=dim)[tp.rank].clone(memory_format=torch.contiguous_format)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: ModuleType) -> None:
+    """This rank's heads: ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads."""
+
+    def __init__(self, cfg: ArchConfig, backend: ModuleType, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = tp.split(cfg.num_heads), tp.split(cfg.num_kv_heads)
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -57,7 +92,7 @@ class Attention(nn.Module):
         else:
             out = torch.cat([self._prefill(q[:num_prefill], k_cache, v_cache, meta),
                              self._decode(q[num_prefill:], k_cache, v_cache, meta)])
-        return self.o_proj(out.view(num_tokens, self.q_size))
+        return self.tp.reduce(self.o_proj(out.view(num_tokens, self.q_size)))
 
     def _prefill(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         return self.backend.prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
@@ -70,12 +105,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: ModuleType) -> None:
+    def __init__(self, cfg: ArchConfig, backend: ModuleType, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
     def forward(self, rope, x, kv_cache, meta) -> torch.Tensor:
         x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
@@ -83,12 +118,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ArchConfig, backend: ModuleType, rotary: RotaryEmbedding) -> None:
+    """Embedding, norms and lm_head are replicated on every TP rank (exact, and the logits
+    need no gather); attention and MLP are split as ``tp`` says."""
+
+    def __init__(self, cfg: ArchConfig, backend: ModuleType, rotary: RotaryEmbedding,
+                 tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         self.rotary = rotary  # one table shared by every layer
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
@@ -118,7 +158,8 @@ class LlamaForCausalLM(nn.Module):
         """Install HF-named tensors as this module's parameters, fusing q/k/v and gate/up.
 
         Each parameter takes its storage from the checkpoint (cast and moved once), so no
-        second copy of the weights is ever allocated; every parameter must be covered.
+        second copy of the weights is ever allocated; every parameter must be covered. Under
+        tensor parallelism each rank keeps only its slice (``shard_weight``) of the split ones.
         """
         params = dict(self.named_parameters())
         shards: dict[str, dict[int | None, torch.Tensor]] = {}
@@ -133,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            shards.setdefault(target, {})[shard] = tensor
+            shards.setdefault(target, {})[shard] = shard_weight(name, tensor, self.tp)
         for target, param in params.items():
             expected = self._shard_ids(target)
             got = shards.get(target, {})
