@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     p.add_argument("--max-missed-heartbeats", type=int, default=d.max_missed_heartbeats)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
+    p.add_argument("--failover-wait-s", type=float, default=d.failover_wait_s,
+                   help="how long a failing-over request waits for a healthy worker of each role")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -44,7 +46,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         decode=tuple(args.decode), api_key=args.api_key, prefill_policy=args.prefill_policy,
                         decode_policy=args.decode_policy, max_waiting=args.max_waiting,
                         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
-                        max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts)
+                        max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,
+                        failover_wait_s=args.failover_wait_s)
 
 
 async def serve(config: RouterConfig) -> int:

@@ -26,6 +26,8 @@ class RouterConfig:
     max_missed_heartbeats: int = 2         # misses in a row that remove a worker
     max_attempts: int = 4                  # dispatches per request, the first one included
     rpc_timeout_s: float = 30.0            # unary worker RPCs (Submit, Abort)
+    failover_wait_s: float = 60.0          # a failing-over request waits this long for a worker of each
+    #                                        role to be healthy again (the controller restarting one)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -42,6 +44,8 @@ class RouterConfig:
             raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
         if self.max_missed_heartbeats < 1:
             raise ValueError(f"max_missed_heartbeats must be >= 1, got {self.max_missed_heartbeats}")
+        if self.failover_wait_s < 0:
+            raise ValueError(f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         object.__setattr__(self, "prefill", tuple(self.prefill))

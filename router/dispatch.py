@@ -71,13 +71,14 @@ class _Progress:
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 4, rpc_timeout_s: float = 30.0,
-                 on_failover: Callable[[str], None] | None = None) -> None:
+                 on_failover: Callable[[str], None] | None = None, failover_wait_s: float = 0.0) -> None:
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
         self.max_attempts = max_attempts
         self.rpc_timeout_s = rpc_timeout_s
         self.on_failover = on_failover
+        self.failover_wait_s = failover_wait_s
         self.num_waiting = 0          # requests without their first token yet
         self._attempts: dict[str, set[Attempt]] = {}
         self._background: set[asyncio.Task] = set()
@@ -96,6 +97,8 @@ class Dispatcher:
         try:
             for attempt_no in range(self.max_attempts):
                 attempt_id = request_id if attempt_no == 0 else f"{request_id}.retry{attempt_no}"
+                if attempt_no:
+                    await self._wait_for_workers()
                 attempt = self._start(attempt_id, progress, sampling, avoid)
                 try:
                     async for response in attempt.call:
@@ -147,6 +150,17 @@ class Dispatcher:
         """Wait for the background Abort calls (call after the servers stopped taking requests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def _wait_for_workers(self) -> None:
+        """Before a retry: give a restarting worker ``failover_wait_s`` to come back when no
+        worker of a role is left (then ``_pick`` fails the request as unavailable)."""
+        for role in ("prefill", "decode"):
+            if not self.registry.healthy(role) and self.failover_wait_s > 0:
+                logger.info("no healthy %s worker; waiting up to %.0f s for one", role, self.failover_wait_s)
+                try:
+                    await self.registry.wait_healthy(role, 1, self.failover_wait_s)
+                except asyncio.TimeoutError:
+                    return
 
     # -- one attempt ------------------------------------------------------------------------
 

@@ -51,7 +51,8 @@ class Router:
         c = self.config
         self.registry = WorkerRegistry(c.heartbeat_interval_s, c.heartbeat_timeout_s, c.max_missed_heartbeats)
         self.dispatcher = Dispatcher(self.registry, make_policy(c.prefill_policy), make_policy(c.decode_policy),
-                                     c.max_attempts, c.rpc_timeout_s, on_failover=lambda _: self.metrics.failovers.inc())
+                                     c.max_attempts, c.rpc_timeout_s, on_failover=lambda _: self.metrics.failovers.inc(),
+                                     failover_wait_s=c.failover_wait_s)
         self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
         self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c.model_name,
                                  c.max_waiting)

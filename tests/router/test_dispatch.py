@@ -146,6 +146,28 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
     run(loop_thread, tokenizer, body, num_decode=2, decode_options={"token_interval_s": 0.02})
 
 
+def test_a_request_whose_only_decode_worker_died_waits_for_its_replacement(loop_thread, tokenizer):
+    async def body(cluster):
+        dead = cluster.decodes[0]
+        registry = cluster.router.registry
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            stream = client.generate_stream([4, 5, 6], max_tokens=20)
+            chunks = [await stream.__anext__()]
+            await dead.stop()                                  # the only decode worker is gone
+            await until(lambda: not registry.healthy("decode"))
+            replacement = await FakeWorker("decode", token_interval_s=0.01).start()
+            try:
+                await asyncio.sleep(0.5)                       # "the controller restarts it"
+                registry.add("decode", replacement.address)
+                chunks += [c async for c in stream]
+            finally:
+                await replacement.stop()
+        assert [t for c in chunks for t in c.token_ids] == fake_completion([4, 5, 6], 20)
+        assert replacement.state.seen
+    run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.05},
+        failover_wait_s=30.0)
+
+
 def test_router_stop_ends_every_task_it_started(loop_thread, tokenizer):
     async def main():
         before = set(asyncio.all_tasks())
