@@ -219,7 +219,8 @@ class Controller:
                     "id": r.id, "role": r.role, "address": r.address or None, "pid": r.pids[0] if r.pids else None,
                     "pids": list(r.pids), "node": r.node or None, "state": r.state, "tp": r.tp,
                     "num_running": seen.num_running if seen else 0, "num_waiting": seen.num_waiting if seen else 0,
-                    "num_inflight": seen.num_inflight if seen else 0, "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,
+                    "num_inflight": seen.num_inflight if seen else 0,
+                    "num_requests": seen.num_requests if seen else 0, "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,
                     "restarts": r.restarts, "error": r.last_error or None})
             return {"model": self.spec.model, "router": dict(self.router), "desired": dict(self.desired),
                     "started_ray": self.spec.started_ray, "workers": workers}

@@ -376,11 +376,11 @@ def render_status(status: dict) -> str:
     lines = [f"model {status['model']}; router HTTP http://{r.get('http')}/v1, gRPC {r.get('grpc')} "
              f"(pid {r.get('pid')}, node {r.get('node')}); desired {status['desired']}",
              f"{'ID':<11} {'ROLE':<8} {'STATE':<10} {'ADDRESS':<22} {'PID':>7} {'NODE':<15} {'RUN':>4} {'WAIT':>5} "
-             f"{'KV':>6} {'RESTARTS':>8}"]
+             f"{'KV':>6} {'REQS':>6} {'RESTARTS':>8}"]
     for w in status["workers"]:
         lines.append(f"{w['id']:<11} {w['role']:<8} {w['state']:<10} {w['address'] or '-':<22} {w['pid'] or '-':>7} "
                      f"{w['node'] or '-':<15} {w['num_running']:>4} {w['num_waiting']:>5} "
-                     f"{100 * w['kv_usage']:>5.1f}% {w['restarts']:>8}")
+                     f"{100 * w['kv_usage']:>5.1f}% {w['num_requests']:>6} {w['restarts']:>8}")
     for w in status["workers"]:
         if w["error"]:
             lines.append(f"{w['id']}: {w['error']}")

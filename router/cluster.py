@@ -12,5 +12,6 @@ def cluster_view(registry: WorkerRegistry) -> list[dict]:
                     "num_inflight": w.num_inflight, "num_running": s.num_running if s else 0,
                     "num_waiting": s.num_waiting if s else 0, "kv_blocks_used": s.kv_blocks_used if s else 0,
                     "kv_blocks_total": s.kv_blocks_total if s else 0, "kv_usage": w.kv_usage,
-                    "max_model_len": s.max_model_len if s else 0, "draining": w.draining})
+                    "max_model_len": s.max_model_len if s else 0, "draining": w.draining,
+                    "num_requests": w.num_requests})
     return out

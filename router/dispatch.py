@@ -189,6 +189,7 @@ class Dispatcher:
         attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
         for worker in (prefill, decode):
             worker.num_inflight += 1
+            worker.num_requests += 1
             self._attempts.setdefault(worker.address, set()).add(attempt)
         return attempt
 
@@ -297,6 +298,7 @@ class Dispatcher:
             self.on_failover(f"prefill worker {dead.address} was removed")
         attempt.prefill = new
         new.num_inflight += 1
+        new.num_requests += 1
         self._attempts.setdefault(new.address, set()).add(attempt)
         attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
 

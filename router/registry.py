@@ -34,6 +34,7 @@ class WorkerState:
     healthy: bool = False              # answered since it joined and has not been removed
     missed: int = 0                    # heartbeats missed in a row
     num_inflight: int = 0              # requests the router has on this worker now
+    num_requests: int = 0              # requests the router sent it since it registered
     removed: bool = False
     draining: bool = False             # routable no more; kept until its in-flight requests end
     _probe: asyncio.Task | None = field(default=None, repr=False)

@@ -139,6 +139,8 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
             assert [t for c in chunks for t in c.token_ids] == fake_completion([9, 8, 7], 30)
             assert registry.get(first.address).num_inflight == 0
             assert len(first.state.seen) == 1 and len(second.state.seen) == 1
+            view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest())).workers}
+            assert view[first.address].num_requests == 1 and view[second.address].num_requests == 1
             assert (await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=first.address))).found
             assert registry.get(first.address) is None
             assert not (await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address="nope:1",

@@ -141,7 +141,7 @@ class GetClusterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "address", "model", "healthy", "num_inflight", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "max_model_len", "draining")
+    __slots__ = ("role", "address", "model", "healthy", "num_inflight", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "max_model_len", "draining", "num_requests")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class WorkerStatus(_message.Message):
     KV_USAGE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     model: str
@@ -166,7 +167,8 @@ class WorkerStatus(_message.Message):
     kv_usage: float
     max_model_len: int
     draining: bool
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_usage: _Optional[float] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_requests: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_usage: _Optional[float] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
 
 class GetClusterResponse(_message.Message):
     __slots__ = ("workers",)
