@@ -232,6 +232,9 @@ class Controller:
             self._loop.join(30)
         with self._lock:
             replicas, self.replicas = list(self.replicas), []
+        deadline = time.monotonic() + 30
+        while any(r.busy for r in replicas) and time.monotonic() < deadline:
+            time.sleep(0.1)                       # start threads notice the stop and tear down
         for r in replicas:
             self._deregister(r)
         self._teardown_many(replicas)

@@ -211,6 +211,8 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
 
     from deploy.controller import NAMESPACE
 
+    # Token authentication is Ray's default; its notice on every connect is noise for `tandem status`.
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     quiet = {"namespace": NAMESPACE, "logging_level": logging.WARNING, "log_to_driver": may_start and not detach}
     if address != "local":
         try:
@@ -304,7 +306,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
             raise
         raise ServeError(_remote_error(exc)) from None
     print(f"Tandem is serving {spec.model} on {len(status['workers'])} workers\n"
-          f"  OpenAI HTTP: http://{router['http']}/v1\n  gRPC:        {router['grpc']}", flush=True)
+          f"  OpenAI HTTP: http://{router['http']}/v1\n  gRPC:        {router['grpc']}\n"
+          f"  Ray cluster: {ray.get_runtime_context().gcs_address}", flush=True)
     if args.detach:
         print("detached: `tandem status` shows the workers, `tandem down` stops them", flush=True)
         return 0
@@ -355,9 +358,10 @@ def _wait_settled(controller, timeout_s: float, role: str | None = None, count: 
     while True:
         status = ray.get(controller.status.remote())
         workers = status["workers"]
-        failed = [w for w in workers if w["state"] == "failed"]
+        failed = [w for w in workers if w["state"] in ("failed", "crashloop")]
         if failed:
-            raise ServeError("; ".join(f"{w['id']} failed: {w['error']}" for w in failed))
+            raise ServeError("; ".join(f"{w['id']} {'failed' if w['state'] == 'failed' else 'keeps dying'}: "
+                                       f"{w['error']}" for w in failed))
         counts = {r: sum(w["role"] == r for w in workers) for r in ("prefill", "decode")}
         if all(w["state"] == "running" for w in workers) and counts == status["desired"]:
             return status

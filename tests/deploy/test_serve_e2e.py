@@ -1,0 +1,232 @@
+"""`tandem serve | status | scale | down` for real: a local Ray instance, the controller actor, the
+router and SmolLM2 workers as processes; requests over HTTP with the official `openai` client and
+httpx. Checks the issue's must-shows: greedy Paris, live scaling under 32 streams, kill -9 of a
+decode worker under 16 streams, Ctrl-C / `tandem down` leave nothing behind."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from deploy.launch import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+MODEL = "smollm2-135m-instruct"
+SERVE_TIMEOUT_S = 300
+
+
+@dataclass
+class Deployment:
+    proc: subprocess.Popen
+    log: Path
+    lines: list[str] = field(default_factory=list)
+    http: str = ""
+    grpc: str = ""
+    ray_address: str = ""
+
+    def cli(self, *args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", *args, "--address", self.ray_address],
+                              capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+        assert done.returncode == 0, f"tandem {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def status(self) -> dict:
+        return json.loads(self.cli("status", "--json").stdout)
+
+    def log_tail(self) -> str:
+        return "".join(self.log.read_text(errors="replace").splitlines(keepends=True)[-60:])
+
+
+def start_serve(tmp_path: Path, *flags: str) -> Deployment:
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--address", "local", "--http-port", "0",
+                             "--grpc-port", "0", *flags], stdout=subprocess.PIPE, stderr=open(log, "wb"),
+                            text=True, cwd=REPO_ROOT, start_new_session=True)
+    dep = Deployment(proc, log)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while not any(line.startswith("  Ray cluster:") for line in lines):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"tandem serve did not come up (exit {proc.poll()}):\n{''.join(lines)}\n{dep.log_tail()}")
+        time.sleep(0.2)
+    dep.lines = lines
+    for line in lines:
+        key, _, value = line.strip().partition(": ")
+        if key == "OpenAI HTTP":
+            dep.http = value.removesuffix("/v1")
+        elif key == "gRPC":
+            dep.grpc = value.strip()
+        elif key == "Ray cluster":
+            dep.ray_address = value.strip()
+    return dep
+
+
+def assert_nothing_left(pids: list[int]) -> None:
+    for pid in pids:
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists() or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"process {pid} ({Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}) is still running")
+        assert not list(Path("/dev/shm").glob(f"tandem-kv-{pid}-*")), f"KV pool of pid {pid} left in /dev/shm"
+
+
+def all_pids(status: dict) -> list[int]:
+    return [status["router"]["pid"], *(p for w in status["workers"] for p in w["pids"])]
+
+
+async def _stream(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> dict:
+    text, usage, finish = "", None, None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "temperature": 0,
+            "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for choice in chunk["choices"]:
+                text += choice["delta"].get("content") or ""
+                finish = choice.get("finish_reason") or finish
+            usage = chunk.get("usage") or usage
+    return {"text": text, "finish_reason": finish, "completion_tokens": usage["completion_tokens"]}
+
+
+def run_streams(http: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    async def main():
+        async with httpx.AsyncClient(base_url=http, timeout=600) as client:
+            return await asyncio.gather(*(_stream(client, p, max_tokens) for p in prompts))
+    return asyncio.run(main())
+
+
+class Streams(threading.Thread):
+    """Streams running in the background while the test scales or kills workers."""
+
+    def __init__(self, http: str, prompts: list[str], max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.args, self.result, self.error = (http, prompts, max_tokens), None, None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = run_streams(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - reported by join_result
+            self.error = exc
+
+    def join_result(self, timeout_s: float = 300) -> list[dict]:
+        self.join(timeout_s)
+        assert not self.is_alive(), "streams did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def wait_for(predicate, what: str, timeout_s: float = 120.0, dep: Deployment | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"{what} did not happen within {timeout_s:.0f} s" + (f"\n{dep.log_tail()}" if dep else ""))
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory):
+    dep = start_serve(tmp_path_factory.mktemp("serve"), "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048")
+    pids = all_pids(dep.status())
+    yield dep
+    pids += all_pids(dep.status())
+    down = dep.cli("down")
+    assert "stopped the deployment" in down.stdout
+    assert dep.proc.wait(60) == 0, dep.log_tail()                # the foreground `tandem serve` sees it
+    assert_nothing_left(pids)
+
+
+def test_the_official_openai_client_gets_paris(deployment):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{deployment.http}/v1", api_key="unused")
+    reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=32,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+
+
+def test_status_lists_the_router_and_every_worker(deployment):
+    status = deployment.status()
+    assert status["router"]["http"] == deployment.http.removeprefix("http://")
+    assert status["router"]["grpc"] == deployment.grpc
+    assert sorted(w["role"] for w in status["workers"]) == ["decode", "prefill"]
+    for w in status["workers"]:
+        assert {"id", "role", "address", "pid", "node", "state", "num_running", "num_waiting", "kv_usage"} <= set(w)
+        assert w["state"] == "running" and w["pid"] > 0 and ":" in w["address"]
+    table = deployment.cli("status").stdout
+    assert "prefill-0" in table and "decode-0" in table and "running" in table
+
+
+def test_scaling_decode_up_and_down_under_32_streams_fails_nothing(deployment):
+    first = Streams(deployment.http, [f"Write a list of {i} fruits." for i in range(32)], max_tokens=48)
+    wait_for(lambda: any(w["num_running"] for w in deployment.status()["workers"] if w["role"] == "decode"),
+             "the first streams reaching the decode worker")
+    deployment.cli("scale", "decode", "2")
+    decodes = [w for w in deployment.status()["workers"] if w["role"] == "decode"]
+    assert len(decodes) == 2 and all(w["state"] == "running" for w in decodes)
+    second = Streams(deployment.http, [f"Name {i} rivers." for i in range(8)], max_tokens=24)
+    wait_for(lambda: all(w["num_requests"] for w in deployment.status()["workers"] if w["role"] == "decode"),
+             "both decode replicas taking traffic")
+    deployment.cli("scale", "decode", "1")                 # drains one while streams run on it
+    decodes = [w for w in deployment.status()["workers"] if w["role"] == "decode"]
+    assert len(decodes) == 1 and decodes[0]["state"] == "running"
+    for results, tokens in ((first.join_result(), 48), (second.join_result(), 24)):
+        for r in results:
+            assert (r["finish_reason"], r["completion_tokens"]) == ("length", tokens), r
+
+
+def test_kill_9_of_a_decode_worker_under_16_streams_changes_no_output(deployment):
+    prompts = [f"Tell me about the number {i}." for i in range(16)]
+    reference = run_streams(deployment.http, prompts, 64)
+    victim = next(w for w in deployment.status()["workers"] if w["role"] == "decode")
+    streams = Streams(deployment.http, prompts, 64)
+    wait_for(lambda: next(w for w in deployment.status()["workers"] if w["id"] == victim["id"])["num_running"] >= 8,
+             "streams running on the decode worker")
+    os.kill(victim["pid"], signal.SIGKILL)
+    results = streams.join_result()
+    for got, want in zip(results, reference):
+        assert got["completion_tokens"] == 64 and got["finish_reason"] == "length"
+        assert got["text"] == want["text"]
+    back = wait_for(lambda: next((w for w in deployment.status()["workers"]
+                                  if w["id"] == victim["id"] and w["state"] == "running"), None),
+                    "the controller restarting the decode worker", dep=deployment)
+    assert back["restarts"] == 1 and back["pid"] != victim["pid"]
+    assert run_streams(deployment.http, prompts[:2], 8)[0]["completion_tokens"] == 8
+
+
+def test_a_worker_that_cannot_start_fails_serve_with_its_error_and_leaves_nothing(tmp_path):
+    log = tmp_path / "serve.log"
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "serve", "--address", "local", "--http-port", "0",
+                           "--grpc-port", "0", "--attention-backend", "triton"], stdout=subprocess.PIPE,
+                          stderr=open(log, "wb"), text=True, cwd=REPO_ROOT, timeout=SERVE_TIMEOUT_S)
+    text = log.read_text(errors="replace")
+    assert done.returncode == 2, text
+    assert "tandem serve: error: prefill-0 failed" in text or "tandem serve: error: decode-0 failed" in text
+    assert "attention_backend='triton' needs a CUDA device" in text
+    assert time.monotonic() - started < 120
+    leftovers = subprocess.run(["pgrep", "-af", r"-m (prefill_worker|decode_worker|router) "],
+                               capture_output=True, text=True).stdout
+    assert not leftovers.strip(), leftovers
