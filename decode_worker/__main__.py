@@ -1,28 +1,51 @@
-"""Entry point: ``python -m decode_worker [flags]`` (see ``--help``)."""
+"""Entry point: ``python -m decode_worker [flags]`` (see ``--help``).
+
+``--tp-rank 0`` (the default) is the worker: engine, gRPC, its receiver; ``--tp-rank r > 0`` is
+a follower rank of a tensor-parallel replica: it joins rank 0's group and registers its own KV
+shard for the prefill worker's rank r to write into.
+"""
 from __future__ import annotations
 
 import sys
 from functools import partial
 
 import kvtransfer
+from decode_worker.ranks import DecodeRank
 from decode_worker.servicer import DecodeServicer, PrefillClients
 from decode_worker.worker import DecodeLoop
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 from engine.serving.metrics import WorkerMetrics
 from engine.serving.process import WorkerParts, run
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
+DESCRIPTOR_KEY = "decode-kv-descriptor/{rank}"   # in the TP group's store: each rank's region
 
-def build(worker, model_config, cache_config, scheduler_config) -> WorkerParts:
-    engine = LLMEngine(model_config, cache_config, scheduler_config)
-    pool = engine.runner.kv_pool
-    receiver = kvtransfer.create_receiver(pool.tensor, kvtransfer.KVLayout.of_pool(pool.tensor), worker.kv_backend,
-                                          shm_path=None if pool.shm_path is None else str(pool.shm_path),
-                                          host=worker.host, lease_s=worker.kv_lease_s)
+
+def _receiver(worker, runner: ModelRunner) -> kvtransfer.Receiver:
+    pool = runner.kv_pool
+    rank = 0 if runner.group is None else runner.group.rank
+    return kvtransfer.create_receiver(pool.tensor, kvtransfer.KVLayout.of_pool(pool.tensor, tp_rank=rank),
+                                      worker.kv_backend, shm_path=None if pool.shm_path is None else str(pool.shm_path),
+                                      host=worker.host, lease_s=worker.kv_lease_s)
+
+
+def build(worker, model_config, cache_config, scheduler_config, parallel_config) -> WorkerParts:
+    engine = LLMEngine(model_config, cache_config, scheduler_config, parallel_config=parallel_config)
+    try:
+        receiver = _receiver(worker, engine.runner)
+        descriptor = receiver.descriptor.to_bytes()
+        group = engine.runner.group
+        if group is not None:   # followers publish their regions once registered
+            descriptor = kvtransfer.join_descriptors(
+                [descriptor, *(bytes(group.store.get(DESCRIPTOR_KEY.format(rank=r))) for r in range(1, group.size))])
+    except BaseException:
+        engine.close()
+        raise
     metrics = WorkerMetrics("decode")
     prefill = PrefillClients()
     servicer = DecodeServicer(prefill)
-    loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination)
+    loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination, descriptor)
     servicer.attach(loop)
 
     def close() -> None:
@@ -31,8 +54,15 @@ def build(worker, model_config, cache_config, scheduler_config) -> WorkerParts:
 
     name = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
     return WorkerParts(loop, [partial(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer)],
-                       [name], metrics, close)
+                       [name], metrics, close, parallel_config.tensor_parallel_size)
+
+
+def follow(worker, runner: ModelRunner) -> DecodeRank:
+    """A follower rank's receiver, announced to rank 0 through the group's store."""
+    receiver = _receiver(worker, runner)
+    runner.group.store.set(DESCRIPTOR_KEY.format(rank=runner.group.rank), receiver.descriptor.to_bytes())
+    return DecodeRank(receiver)
 
 
 if __name__ == "__main__":
-    sys.exit(run("decode", build))
+    sys.exit(run("decode", build, follow=follow))

@@ -6,6 +6,11 @@ need (SGLang's new_token_ratio, scaled by schedule_conservativeness). Then the b
 announced to kvtransfer, the prefill worker is told the destination, and when every layer and
 the first token have landed the request joins the decode batch. Out of blocks mid-decode, the
 scheduler retracts the request with the least progress and recomputes it here later.
+
+Under tensor parallelism this is rank 0: every rank has a receiver over its own KV heads
+(decode_worker/ranks.py), the prefill worker gets all their descriptors in one blob, and
+reservations, cancels and polls are mirrored on every rank, so a request starts decoding only
+once every rank's share of its KV has landed.
 """
 from __future__ import annotations
 
@@ -16,11 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import kvtransfer
+from decode_worker.ranks import POLL_FIELDS, DecodeRank
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.serving.config import WorkerConfig
 from engine.serving.loop import EngineLoop
 from engine.serving.metrics import WorkerMetrics
+from engine.tp_role import MirroredOps
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +65,16 @@ class DecodeJob:
 class DecodeLoop(EngineLoop):
     def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
                  receiver: kvtransfer.Receiver,
-                 send_destination: Callable[[DecodeJob, bytes], None]) -> None:
+                 send_destination: Callable[[DecodeJob, bytes], None], descriptor: bytes | None = None) -> None:
+        """``descriptor``: what the prefill worker writes to (default: ``receiver``'s; with TP,
+        every rank's, from ``kvtransfer.join_descriptors``)."""
         super().__init__("decode-engine", config.log_interval_s)
         self.engine = engine
         self.config = config
         self.metrics = metrics
         self.receiver = receiver
-        self.descriptor = receiver.descriptor.to_bytes()
+        self.ranks = MirroredOps(DecodeRank(receiver), engine.runner.leader)
+        self.descriptor = descriptor if descriptor is not None else receiver.descriptor.to_bytes()
         self.send_destination = send_destination   # schedules Prefill.SetDestination off-thread
         self.jobs: dict[str, DecodeJob] = {}
         self.prealloc: collections.deque[str] = collections.deque()
@@ -94,7 +104,7 @@ class DecodeLoop(EngineLoop):
             self.prealloc.remove(request_id)
         elif job.state == "transferring":
             del self.transferring[request_id]
-            self.receiver.cancel(request_id, "aborted at the decode worker")
+            self.ranks.run([["cancel", request_id, "aborted at the decode worker"]])
             self.cancelled[request_id] = job.block_ids  # freed once no writer can touch them
         else:
             self.engine.abort_request(request_id)
@@ -120,6 +130,7 @@ class DecodeLoop(EngineLoop):
 
     # -- the loop ------------------------------------------------------------------------
     def run_once(self) -> bool:
+        self.engine.check_parallel()
         self._admit()
         self._poll_transfers()
         busy = self.engine.has_unfinished()
@@ -136,6 +147,7 @@ class DecodeLoop(EngineLoop):
     def _admit(self) -> None:
         block_size = self.engine.allocator.block_size
         pending_future = sum(j.params.max_tokens for j in self.transferring.values())
+        admitted: list[DecodeJob] = []
         while self.prealloc:
             job = self.jobs[self.prealloc[0]]
             # Room for the prompt and the first token (unless the prompt already fills
@@ -151,35 +163,49 @@ class DecodeLoop(EngineLoop):
             job.block_ids = self.engine.allocator.allocate(num_blocks)
             # The first token's K/V is computed here, so only the prompt's blocks are written.
             job.transfer_block_ids = job.block_ids[:-(-len(job.prompt_token_ids) // block_size)]
-            self.receiver.expect(job.request_id, job.transfer_block_ids, self.engine.runner.arch.num_layers,
-                                 self.config.kv_lease_s)
             job.state = "transferring"
             job.reserved_s = time.monotonic()
             self.transferring[job.request_id] = job
             pending_future += job.params.max_tokens
+            admitted.append(job)
+        if not admitted:
+            return
+        # Every rank expects the writes before any prefill rank can learn where to write (the
+        # reply is the followers' acknowledgement).
+        num_layers = self.engine.runner.arch.num_layers
+        self.ranks.run([["expect", j.request_id, j.transfer_block_ids, num_layers, self.config.kv_lease_s]
+                        for j in admitted], reply=True)
+        for job in admitted:
             self.send_destination(job, self.descriptor)
 
     def _poll_transfers(self) -> None:
-        for request_id, job in list(self.transferring.items()):
-            result = self.receiver.result(request_id)
-            if result.status is kvtransfer.TransferStatus.DONE:
-                self.receiver.release(request_id)
+        request_ids = [*self.transferring, *self.cancelled]
+        if not request_ids:
+            return
+        codes = self.ranks.run([["poll", request_ids]], reply=True)  # min over ranks
+        for i, request_id in enumerate(request_ids):
+            all_done, all_freeable, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
+            job = self.transferring.get(request_id)
+            if job is None:   # cancelled: free once no rank's writer can touch the blocks
+                if all_freeable:
+                    self.ranks.run([["release", request_id]])
+                    self.engine.allocator.free(self.cancelled.pop(request_id)[::-1])
+            elif all_done:
+                payload = self.receiver.result(request_id).payload   # rank 0's notify
+                self.ranks.run([["release", request_id]])
                 del self.transferring[request_id]
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.reserved_s)
-                self._start_decoding(job, result.payload)
-            elif result.status.terminal and result.blocks_freeable:
-                self.receiver.release(request_id)
+                self._start_decoding(job, payload)
+            elif not none_failed:
+                # Failed on some rank: stop the others too; the blocks go once all are freeable.
+                result = self.receiver.result(request_id)
+                reason = result.reason if result.status.terminal else "KV transfer failed on another TP rank"
+                self.ranks.run([["cancel", request_id, reason]])
                 del self.transferring[request_id]
-                self.engine.allocator.free(job.block_ids[::-1])
+                self.cancelled[request_id] = job.block_ids
                 self.jobs.pop(request_id, None)
-                logger.warning("KV transfer failed request_id=%s: %s", request_id, result.reason)
-                job.sink(StreamEvent(error=f"KV transfer from the prefill worker failed: {result.reason}"))
-        for request_id, block_ids in list(self.cancelled.items()):
-            result = self.receiver.result(request_id)
-            if result.blocks_freeable:
-                self.receiver.release(request_id)
-                self.engine.allocator.free(block_ids[::-1])
-                del self.cancelled[request_id]
+                logger.warning("KV transfer failed request_id=%s: %s", request_id, reason)
+                job.sink(StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}"))
 
     def _start_decoding(self, job: DecodeJob, payload: kvtransfer.NotifyPayload) -> None:
         first_logprobs = None

@@ -128,6 +128,11 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.release(seq)
 
+    def check_parallel(self) -> None:
+        """Raise if a tensor-parallel follower is gone (found by the heartbeat while idle)."""
+        if self.runner.leader is not None:
+            self.runner.leader.check()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 

@@ -13,32 +13,14 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.distributed import OPS, PING, STEP, STOP
 from engine.model_runner import ModelRunner, StepInputs
+from engine.tp_role import RoleHandler
 
 logger = logging.getLogger(__name__)
-
-
-class RoleHandler:
-    """What a role adds to a follower: the per-layer hook of a step and the ops it mirrors.
-    The base class is the `LLM`'s follower: forward only."""
-
-    def after_layer(self, extra: dict[str, Any]) -> Callable[[int], None] | None:
-        """The hook for this step's forward, from the ``extra`` rank 0 sent with it."""
-        return None
-
-    def apply(self, ops: list[Any]) -> list[int]:
-        """Apply rank 0's ops; the returned ints are min-reduced with every rank's (a reply)."""
-        if ops:
-            raise ValueError(f"this follower has no role to apply {len(ops)} ops")
-        return []
-
-    def close(self) -> None:
-        """Called once the loop has ended."""
 
 
 class Follower:

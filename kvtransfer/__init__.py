@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from .descriptor import CudaIpcHandle, RegionDescriptor, local_host_id
+from .descriptor import CudaIpcHandle, RegionDescriptor, join_descriptors, local_host_id, split_descriptors
 from .fake import FakeFabric, FakeSender
 from .layout import KVLayout, LayoutMismatchError
 from .messages import MessageError, NotifyPayload
@@ -28,7 +28,8 @@ __all__ = [
     "BACKENDS", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
     "MessageError", "NotifyPayload", "Receiver", "RegionDescriptor", "Sender", "SenderClosed",
     "TransferCancelled", "TransferResult", "TransferStatus", "create_receiver", "create_sender",
-    "create_shm_pool", "map_shm_pool", "remove_shm_pool", "select_backend",
+    "create_shm_pool", "join_descriptors", "map_shm_pool", "remove_shm_pool", "select_backend",
+    "split_descriptors",
 ]
 
 

@@ -112,3 +112,36 @@ def local_host_id() -> str:
     except OSError:
         boot_id = ""
     return f"{socket.gethostname()}/{boot_id}"
+
+
+MAX_TP_RANKS = 64
+_SET_TAG = "tp"
+
+
+def join_descriptors(per_rank: list[bytes]) -> bytes:
+    """The regions of one tensor-parallel replica, in rank order, as one descriptor blob (what
+    a decode worker hands a prefill worker). A single rank's descriptor stays as it is."""
+    if not 1 <= len(per_rank) <= MAX_TP_RANKS:
+        raise ValueError(f"a replica has 1..{MAX_TP_RANKS} ranks, got {len(per_rank)} descriptors")
+    if len(per_rank) == 1:
+        return bytes(per_rank[0])
+    return msgpack.packb([_SET_TAG, [bytes(d) for d in per_rank]], use_bin_type=True)
+
+
+def split_descriptors(data: bytes) -> list[bytes]:
+    """Per-rank descriptors of a blob from :func:`join_descriptors` (one for TP=1). Each entry
+    still goes through :meth:`RegionDescriptor.from_bytes` before use."""
+    if len(data) > MAX_DESCRIPTOR_BYTES:
+        raise MessageError("oversize", "descriptor set")
+    try:
+        obj = msgpack.unpackb(data, raw=False, max_str_len=_MAX_STR, max_bin_len=MAX_DESCRIPTOR_BYTES,
+                              max_array_len=MAX_TP_RANKS, max_map_len=0, max_ext_len=0)
+    except Exception as exc:
+        raise MessageError("malformed", f"descriptor: {type(exc).__name__}") from None
+    if not (isinstance(obj, list) and len(obj) == 2 and obj[0] == _SET_TAG):
+        return [bytes(data)]   # one rank's descriptor
+    ranks = obj[1]
+    if (not isinstance(ranks, list) or not 2 <= len(ranks) <= MAX_TP_RANKS
+            or any(type(d) is not bytes for d in ranks)):
+        raise MessageError("bad_field", "descriptor set")
+    return ranks

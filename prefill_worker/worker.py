@@ -6,14 +6,18 @@ decode worker, before or after the prompt is computed. As soon as both are known
 K/V of the prompt is written into the decode worker's pool right after that layer runs
 (layer-pipelined); then the first token is sampled and sent with ``notify``. The job's blocks
 stay referenced until every transfer op has finished, then return to the prefix cache.
+
+Under tensor parallelism this is rank 0: each rank ships its own KV heads to the decode
+worker's rank of the same number (prefill_worker/ranks.py); this loop decides, every rank
+acts, and a job's blocks return only once every rank's transfer ops have finished.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import kvtransfer
 from engine.config import SamplingParams
@@ -22,6 +26,8 @@ from engine.scheduler import ScheduledBatch
 from engine.serving.config import WorkerConfig
 from engine.serving.loop import EngineLoop
 from engine.serving.metrics import WorkerMetrics
+from engine.tp_role import MirroredOps
+from prefill_worker.ranks import POLL_FIELDS, PrefillRank, payload_to_wire
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +48,10 @@ class PrefillJob:
     decode_address: str
     arrival_s: float = field(default_factory=time.monotonic)
     destination: Destination | None = None
-    sender: kvtransfer.Sender | None = None
     first: StepOutput | None = None           # set once the prompt is computed
     layers_shipped: bool = False              # per-layer writes issued during the forward
-    futures: list[Future] = field(default_factory=list)
+    shipping: bool = False                    # transfer ops issued (on every rank)
     destination_s: float | None = None
-
-    @property
-    def shipping(self) -> bool:
-        return bool(self.futures)
 
 
 class PrefillLoop(EngineLoop):
@@ -61,10 +62,15 @@ class PrefillLoop(EngineLoop):
         self.config = config
         self.metrics = metrics
         self.fabric = fabric
-        self.layout = kvtransfer.KVLayout.of_pool(engine.runner.kv_pool.tensor)
+        group = engine.runner.group
+        self.rank = PrefillRank(engine.runner.kv_pool.tensor, 0, 1 if group is None else group.size,
+                                config.kv_backend, fabric)
+        self.ranks = MirroredOps(self.rank, engine.runner.leader)
+        self.layout = self.rank.layout
+        self.tp_size = self.rank.tp_size
         self.jobs: dict[str, PrefillJob] = {}
         self.early: dict[str, tuple[Destination, float]] = {}
-        self.senders: dict[bytes, kvtransfer.Sender] = {}
+        self._layer_writes: list[list[Any]] = []   # this step's per-layer writes
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
         self._last_prompt_tokens = 0
         self._rate_mark = (time.monotonic(), 0)   # (time, prompt tokens) at the last log line
@@ -100,10 +106,9 @@ class PrefillLoop(EngineLoop):
         if len(destination.block_ids) != num_blocks:
             raise ValueError(f"request_id={request_id!r}: {len(destination.block_ids)} destination blocks "
                              f"for a prompt that fills {num_blocks}")
-        job.sender = self._sender(destination.descriptor)
+        self.ranks.run([["open", request_id, destination.descriptor]])  # ValueError: refused
         job.destination = destination
         job.destination_s = time.monotonic()
-        job.sender.open(request_id)
         if job.first is not None:
             self._ship(job)
 
@@ -114,8 +119,8 @@ class PrefillLoop(EngineLoop):
             if early is not None:
                 self._cancel_early(request_id, early[0])
             return early is not None
-        if job.sender is not None:
-            job.sender.cancel(request_id, "aborted at the prefill worker")
+        if job.destination is not None:
+            self.ranks.run([["cancel", request_id, "aborted at the prefill worker"], ["forget", request_id]])
         # Source blocks are only read by in-flight writes, and the request is cancelled, so
         # they can go back to the pool now.
         self.engine.abort_request(request_id)
@@ -125,14 +130,15 @@ class PrefillLoop(EngineLoop):
         """Tell the decode worker nothing will be written into a destination that came before
         its Submit, so it frees the reserved blocks now, not when their lease runs out."""
         try:
-            self._sender(destination.descriptor).cancel(request_id, "aborted at the prefill worker")
+            self.ranks.run([["cancel_at", destination.descriptor, request_id, "aborted at the prefill worker"]])
         except ValueError as exc:  # a destination we could never have written to
             logger.warning("cannot cancel request_id=%s at its decode worker: %s", request_id, exc)
 
     # -- the loop ------------------------------------------------------------------------
     def run_once(self) -> bool:
+        self.engine.check_parallel()
         busy = self.engine.has_unfinished()
-        for out in self.engine.step(after_layer=self._after_layer) if busy else []:
+        for out in self.engine.step(self._after_layer, self._layer_plan) if busy else []:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue
@@ -147,23 +153,32 @@ class PrefillLoop(EngineLoop):
     def idle_wait_s(self) -> float:
         return 0.002 if any(j.shipping for j in self.jobs.values()) else 0.05
 
-    def _after_layer(self, layer: int, batch: ScheduledBatch) -> None:
+    def _layer_plan(self, batch: ScheduledBatch) -> dict[str, Any]:
+        """Before a step: the prompts whose KV is written layer by layer during its forward
+        (sent to the followers with the step, so each rank writes its own heads)."""
+        self._layer_writes = []
         for seq, num_new in batch.prefills:
             job = self.jobs.get(seq.request_id)
             if job is None or job.destination is None or seq.num_computed_tokens + num_new != seq.num_tokens:
                 continue  # not the prompt's last chunk, or nowhere to send it yet
             src, dst = self._block_pairs(job, seq.block_ids)
-            job.futures.append(job.sender.write(job.request_id, [layer], src, dst))
-            job.layers_shipped = True
+            self._layer_writes.append([job.request_id, src, dst])
+            job.layers_shipped = job.shipping = True
+        return {"writes": self._layer_writes}
+
+    def _after_layer(self, layer: int, batch: ScheduledBatch) -> None:
+        for request_id, src, dst in self._layer_writes:
+            self.rank.write(request_id, [layer], src, dst)
 
     def _ship(self, job: PrefillJob) -> None:
         """Write what the forward pass did not ship yet, then send the first token."""
         held = self.engine.held.get(job.request_id)  # finished here, blocks kept for the transfer
         if held is None:
             return
+        ops: list[list[Any]] = []
         if not job.layers_shipped:
             src, dst = self._block_pairs(job, held.block_ids)
-            job.futures.append(job.sender.write(job.request_id, range(self.layout.num_layers), src, dst))
+            ops.append(["write", job.request_id, list(range(self.layout.num_layers)), src, dst])
             job.layers_shipped = True
         token = job.first.new_token_ids[0]
         entry = job.first.new_logprobs[0] if job.first.new_logprobs else None
@@ -172,7 +187,9 @@ class PrefillLoop(EngineLoop):
         payload = kvtransfer.NotifyPayload(
             first_token_id=token, first_logprob=None if entry is None else entry[token], top_logprobs=top,
             num_prompt_tokens=len(job.prompt_token_ids), num_cached_tokens=held.num_prefix_hit_tokens)
-        job.futures.append(job.sender.notify(job.request_id, payload))
+        ops.append(["notify", job.request_id, payload_to_wire(payload)])
+        self.ranks.run(ops)
+        job.shipping = True
 
     def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:
         num_blocks = -(-len(job.prompt_token_ids) // self.engine.allocator.block_size)
@@ -187,32 +204,33 @@ class PrefillLoop(EngineLoop):
                 logger.warning("no destination within %.0f s, dropping request_id=%s", EARLY_DESTINATION_TTL_S,
                                request_id)
                 self.abort(request_id)
+        shipped = [r for r, j in self.jobs.items() if j.first is not None and j.shipping]
+        if not shipped:
+            return
+        codes = self.ranks.run([["poll", shipped]], reply=True)   # min over ranks
+        finished = []
+        for i, request_id in enumerate(shipped):
+            all_done, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
+            if not all_done:
                 continue
-            if job.first is None or not job.futures or not all(f.done() for f in job.futures):
-                continue
-            error = next((f.exception() for f in job.futures if f.exception() is not None), None)
-            if error is not None:
-                logger.warning("KV transfer failed request_id=%s: %s", request_id, error)
+            job = self.jobs.pop(request_id)
+            if not none_failed:
+                logger.warning("KV transfer failed request_id=%s: %s", request_id,
+                               self.rank.error(request_id) or "failed on another TP rank")
             else:
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.destination_s)
-                self.metrics.kv_transfer_bytes.inc(2 * self.layout.num_layers * self.layout.block_nbytes
+                self.metrics.kv_transfer_bytes.inc(2 * self.layout.num_layers * self.layout.block_nbytes * self.tp_size
                                                    * len(self._block_pairs(job, job.destination.block_ids)[0]))
             self.engine.release(request_id)
-            del self.jobs[request_id]
+            finished.append(["forget", request_id])
+        if finished:
+            self.ranks.run(finished)
 
     def _expire_early(self) -> None:
         now = time.monotonic()
         for request_id, (_, at) in list(self.early.items()):
             if now - at > EARLY_DESTINATION_TTL_S:
                 del self.early[request_id]
-
-    def _sender(self, descriptor: bytes) -> kvtransfer.Sender:
-        sender = self.senders.get(descriptor)
-        if sender is None:
-            sender = kvtransfer.create_sender(descriptor, self.engine.runner.kv_pool.tensor, self.layout,
-                                              self.config.kv_backend, fabric=self.fabric)
-            self.senders[descriptor] = sender
-        return sender
 
     # -- observability -------------------------------------------------------------------------
     def _update_gauges(self) -> None:
@@ -253,6 +271,4 @@ class PrefillLoop(EngineLoop):
         self._rate_mark = (now, self.engine.num_prompt_tokens_total)
 
     def close(self) -> None:
-        for sender in self.senders.values():
-            sender.close()
-        self.senders.clear()
+        self.rank.close()

@@ -3,6 +3,12 @@
 Used by ``python -m prefill_worker`` and ``python -m decode_worker``. When every server is up
 it prints one line ``TANDEM_WORKER_READY {json}`` with the bound addresses (ports may be 0 =
 picked), then serves until SIGINT/SIGTERM and shuts everything down.
+
+With ``--tensor-parallel-size N``, ``--tp-rank 0`` is that worker (it serves only once every
+rank joined and loaded its shard) and ``--tp-rank r > 0`` is a follower: no gRPC, it runs rank
+0's steps and its own side of kvtransfer (the role's ``follow``), prints the same READY line
+with ``"grpc": null`` once joined, and exits on SIGTERM/SIGINT, on rank 0's stop, or (code 1)
+when rank 0 goes away.
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.serving.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -34,6 +40,7 @@ class WorkerParts:
     service_names: list[str]
     metrics: Any                                # WorkerMetrics
     close: Callable[[], None]
+    tensor_parallel_size: int = 1
 
 
 def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -44,11 +51,14 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     add_config_args(parser, ModelConfig)
     add_config_args(parser, CacheConfig)
     add_config_args(parser, SchedulerConfig)
+    add_config_args(parser, ParallelConfig)
     return parser.parse_args(argv)
 
 
-def run(role: str, build: Callable[[WorkerConfig, ModelConfig, CacheConfig, SchedulerConfig], WorkerParts],
-        argv: list[str] | None = None) -> int:
+def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = None,
+        follow: Callable[..., Any] | None = None) -> int:
+    """``build(worker, model, cache, scheduler, parallel)`` makes rank 0's parts;
+    ``follow(worker, runner)`` makes a follower rank's RoleHandler."""
     # Until the asyncio loop takes over, SIGTERM unwinds like Ctrl-C so a half-built engine
     # still drops its /dev/shm pool (KVPool unlinks it when released).
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -59,10 +69,13 @@ def run(role: str, build: Callable[[WorkerConfig, ModelConfig, CacheConfig, Sche
         worker = config_from_args(WorkerConfig, args)
         configs = (config_from_args(ModelConfig, args), config_from_args(CacheConfig, args),
                    config_from_args(SchedulerConfig, args))
+        parallel = config_from_args(ParallelConfig, args)
         if worker.num_threads:
             import torch
             torch.set_num_threads(worker.num_threads)
-        parts = build(worker, *configs)
+        if not parallel.is_leader:
+            return _follow(role, worker, configs, parallel, follow)
+        parts = build(worker, *configs, parallel)
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         return 2
@@ -74,6 +87,19 @@ def run(role: str, build: Callable[[WorkerConfig, ModelConfig, CacheConfig, Sche
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _follow(role: str, worker: WorkerConfig, configs: tuple, parallel: ParallelConfig,
+            follow: Callable[..., Any] | None) -> int:
+    from engine.tp_follower import run_follower
+
+    def ready() -> None:
+        line = {"role": role, "tp_rank": parallel.tp_rank, "tensor_parallel_size": parallel.tensor_parallel_size,
+                "pid": os.getpid(), "grpc": None, "metrics": None}
+        print(READY_PREFIX + json.dumps(line), flush=True)
+
+    make_handler = None if follow is None else (lambda runner: follow(worker, runner))
+    return run_follower(*configs, parallel, make_handler, on_ready=ready)
 
 
 async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
@@ -92,7 +118,8 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
         parts.loop.stop()
         return 2
     ready = {"role": role, "grpc": f"{worker.host}:{port}", "pid": os.getpid(),
-             "metrics": None if metrics_port is None else f"{worker.host}:{metrics_port}"}
+             "metrics": None if metrics_port is None else f"{worker.host}:{metrics_port}",
+             "tp_rank": 0, "tensor_parallel_size": parts.tensor_parallel_size}
     print(READY_PREFIX + json.dumps(ready), flush=True)
     logger.info("%s worker serving gRPC on %s", role, ready["grpc"])
     code = 0

@@ -65,13 +65,14 @@ def test_tp2_greedy_tokens_and_logprobs_match_tp1(arch, tiny_model_dir, make_llm
 def test_close_stops_followers_and_frees_their_pools(tiny_model_dir, make_llm):
     llm = make_llm(tiny_model_dir("llama"), tensor_parallel_size=2)
     [pid] = llm.followers.pids()
-    assert _pid_alive(pid) and _shm_pools(pid)
+    own_pool = llm.engine.runner.kv_pool.shm_path
+    assert _pid_alive(pid) and _shm_pools(pid) and own_pool.exists()
     procs = list(llm.followers.procs)
     llm.close()
     assert [p.returncode for p in procs] == [0]   # left on rank 0's STOP, not killed
     assert not _pid_alive(pid)
     assert _shm_pools(pid) == []
-    assert _shm_pools(os.getpid()) == []
+    assert not own_pool.exists()
 
 
 def test_dead_follower_fails_generate_instead_of_hanging(tiny_model_dir, make_llm):

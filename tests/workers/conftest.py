@@ -32,8 +32,8 @@ def tiny_dir(tiny_model_dir) -> Path:  # noqa: F811 - the imported fixture, by n
 def _spawner(log_dir: Path) -> Iterator[Callable[..., Worker]]:
     started: list[Worker] = []
 
-    def spawn(role: str, model: Path, *flags: str, name: str | None = None) -> Worker:
-        worker = Worker(role, model, list(flags), log_dir, name or f"{role}-{len(started)}")
+    def spawn(role: str, model: Path, *flags: str, name: str | None = None, wait: bool = True) -> Worker:
+        worker = Worker(role, model, list(flags), log_dir, name or f"{role}-{len(started)}", wait=wait)
         started.append(worker)
         return worker
 
@@ -47,7 +47,8 @@ def _spawner(log_dir: Path) -> Iterator[Callable[..., Worker]]:
 
 @pytest.fixture
 def spawn(tmp_path) -> Iterator[Callable[..., Worker]]:
-    """``spawn(role, model_dir, *flags)`` -> a ready Worker, stopped after the test."""
+    """``spawn(role, model_dir, *flags)`` -> a ready Worker (``wait=False``: just started),
+    stopped after the test."""
     yield from _spawner(tmp_path)
 
 

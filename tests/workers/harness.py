@@ -24,19 +24,30 @@ RPC_TIMEOUT_S = 60.0
 
 
 class Worker(WorkerProcess):
-    """A worker process plus a sync channel to it, its stderr log, and Stats."""
+    """A worker process plus a sync channel to it, its stderr log, and Stats.
 
-    def __init__(self, role: str, model: Path, flags: list[str], log_dir: Path, name: str) -> None:
+    ``wait=False`` returns at once (start the ranks of a TP replica together, then
+    ``wait_ready`` each); a TP follower rank has no gRPC, so no channel."""
+
+    def __init__(self, role: str, model: Path, flags: list[str], log_dir: Path, name: str,
+                 wait: bool = True) -> None:
         self.stderr_path = log_dir / f"{name}.stderr"
         self._stderr = open(self.stderr_path, "wb")  # noqa: SIM115 - the child writes it until stop()
+        self.channel: grpc.Channel | None = None
+        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype",
+                                "float32", "--device", "cpu", "--num-threads", "1", *flags],
+                         stderr=self._stderr, env={"OMP_NUM_THREADS": "1"}, start_timeout_s=START_TIMEOUT_S,
+                         wait=wait)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
         try:
-            super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype",
-                                    "float32", "--device", "cpu", "--num-threads", "1", *flags],
-                             stderr=self._stderr, env={"OMP_NUM_THREADS": "1"}, start_timeout_s=START_TIMEOUT_S)
+            info = super().wait_ready(timeout_s)
         except WorkerStartError as exc:
             self._stderr.close()
             raise WorkerStartError(f"{exc}\nstderr:\n{self.stderr()}") from None
-        self.channel = grpc.insecure_channel(self.grpc)
+        if info.get("grpc"):
+            self.channel = grpc.insecure_channel(self.grpc)
+        return info
 
     @property
     def prefill_stub(self) -> worker_pb2_grpc.PrefillWorkerStub:
@@ -57,7 +68,8 @@ class Worker(WorkerProcess):
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """Close the channel, SIGTERM (then SIGKILL); returns the exit code."""
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
         code = super().stop(timeout_s)
         self._stderr.close()
         return code

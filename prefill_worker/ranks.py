@@ -1,0 +1,149 @@
+"""One prefill rank's side of kvtransfer under tensor parallelism (every rank process).
+
+Prefill rank r holds KV heads r of every computed prompt and writes them into decode rank r's
+pool, through its own senders. Rank 0's PrefillLoop drives every rank with mirrored ops
+(engine/tp_role.py) and the per-layer write plan it sends with each step:
+
+- ``["open", request_id, descriptors]``: the decode worker's region blob (one descriptor per
+  decode rank, ``kvtransfer.join_descriptors``); this rank opens ``descriptors[rank]``;
+- ``["write", request_id, layers, src_block_ids, dst_block_ids]``, ``["notify", request_id, payload]``;
+- ``["cancel", request_id, reason]``, ``["cancel_at", descriptors, request_id, reason]`` (a
+  destination that came before its Submit), ``["forget", request_id]``;
+- ``["poll", [request_id, ...]]``: reply ``[all ops done, none failed]`` per request;
+- the step's ``extra["writes"]``: ``[request_id, src_block_ids, dst_block_ids]`` to write after
+  every layer of that forward.
+
+Rank 0 applies an op before the followers do, so a bad destination (a TP size mismatch, a
+layout mismatch) is refused there and mirrored nowhere; a follower that still cannot open its
+region records a failed transfer instead of dying.
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import kvtransfer
+import torch
+from engine.tp_role import RoleHandler
+
+logger = logging.getLogger(__name__)
+
+POLL_FIELDS = 2   # all done, none failed
+
+
+def payload_to_wire(p: kvtransfer.NotifyPayload) -> list[Any]:
+    return [p.first_token_id, p.first_logprob, [list(t) for t in p.top_logprobs], p.num_prompt_tokens,
+            p.num_cached_tokens]
+
+
+def payload_from_wire(w: list[Any]) -> kvtransfer.NotifyPayload:
+    return kvtransfer.NotifyPayload(w[0], w[1], tuple((int(t), float(lp)) for t, lp in w[2]), w[3], w[4])
+
+
+class PrefillRank(RoleHandler):
+    def __init__(self, pool: torch.Tensor, tp_rank: int, tp_size: int, backend: str,
+                 fabric: kvtransfer.FakeFabric | None = None) -> None:
+        self.pool = pool
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.layout = kvtransfer.KVLayout.of_pool(pool, tp_rank=tp_rank)
+        self.backend = backend
+        self.fabric = fabric
+        self.senders: dict[bytes, kvtransfer.Sender] = {}
+        self.requests: dict[str, kvtransfer.Sender] = {}    # request_id -> its open sender
+        self.futures: dict[str, list[Future]] = {}
+
+    # -- ops ---------------------------------------------------------------------------------
+    def apply(self, ops: list[Any]) -> list[int]:
+        reply: list[int] = []
+        for op in ops:
+            name, args = op[0], op[1:]
+            if name == "open":
+                self._open(*args)
+            elif name == "write":
+                self.write(*args)
+            elif name == "notify":
+                self._track(args[0], lambda s: s.notify(args[0], payload_from_wire(args[1])))
+            elif name == "cancel":
+                sender = self.requests.get(args[0])
+                if sender is not None:
+                    sender.cancel(args[0], args[1])
+            elif name == "cancel_at":
+                self._cancel_at(*args)
+            elif name == "forget":
+                self.requests.pop(args[0], None)
+                self.futures.pop(args[0], None)
+            elif name == "poll":
+                for request_id in args[0]:
+                    futures = self.futures.get(request_id, [])
+                    reply += [int(all(f.done() for f in futures)),
+                              int(not any(f.done() and f.exception() is not None for f in futures))]
+            else:
+                raise ValueError(f"unknown prefill rank op {name!r}")
+        return reply
+
+    def after_layer(self, extra: dict[str, Any]) -> Callable[[int], None] | None:
+        writes = extra.get("writes")
+        if not writes:
+            return None
+        return lambda layer: [self.write(rid, [layer], src, dst) for rid, src, dst in writes]
+
+    def write(self, request_id: str, layers: list[int], src: list[int], dst: list[int]) -> None:
+        self._track(request_id, lambda s: s.write(request_id, layers, src, dst))
+
+    def error(self, request_id: str) -> BaseException | None:
+        """This rank's first failure for the request, if any (for the log line)."""
+        return next((f.exception() for f in self.futures.get(request_id, []) if f.done() and f.exception()), None)
+
+    # -- senders -------------------------------------------------------------------------------
+    def descriptor(self, descriptors: bytes) -> bytes:
+        """This rank's region in a decode worker's blob; ValueError when the TP sizes differ."""
+        per_rank = kvtransfer.split_descriptors(descriptors)
+        if len(per_rank) != self.tp_size:
+            raise ValueError(f"the decode worker has tensor_parallel_size={len(per_rank)} but this prefill worker "
+                             f"has tensor_parallel_size={self.tp_size}; run prefill and decode workers with the "
+                             "same --tensor-parallel-size")
+        return per_rank[self.tp_rank]
+
+    def sender(self, descriptors: bytes) -> kvtransfer.Sender:
+        descriptor = self.descriptor(descriptors)
+        sender = self.senders.get(descriptor)
+        if sender is None:
+            sender = kvtransfer.create_sender(descriptor, self.pool, self.layout, self.backend, fabric=self.fabric)
+            self.senders[descriptor] = sender
+        return sender
+
+    def _open(self, request_id: str, descriptors: bytes) -> None:
+        try:
+            sender = self.sender(descriptors)
+        except Exception as exc:
+            if self.tp_rank == 0:
+                raise           # refused before anything is mirrored: the caller reports it
+            logger.error("TP rank %d cannot open request_id=%s: %s", self.tp_rank, request_id, exc)
+            failed: Future = Future()
+            failed.set_exception(exc)
+            self.futures[request_id] = [failed]
+            return
+        self.requests[request_id] = sender
+        self.futures[request_id] = []
+        sender.open(request_id)
+
+    def _cancel_at(self, descriptors: bytes, request_id: str, reason: str) -> None:
+        try:
+            self.sender(descriptors).cancel(request_id, reason)
+        except Exception as exc:
+            if self.tp_rank == 0:
+                raise
+            logger.warning("TP rank %d cannot cancel request_id=%s at its decode rank: %s", self.tp_rank,
+                           request_id, exc)
+
+    def _track(self, request_id: str, op: Callable[[kvtransfer.Sender], Future]) -> None:
+        sender = self.requests.get(request_id)
+        if sender is not None:   # None: this rank could not open the region (already failed)
+            self.futures[request_id].append(op(sender))
+
+    def close(self) -> None:
+        for sender in self.senders.values():
+            sender.close()
+        self.senders.clear()
