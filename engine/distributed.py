@@ -52,6 +52,7 @@ class TPGroup:
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=config.dist_host)]
         self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), self.rank, self.size, opts)
         if device.type == "cuda":
+            torch.cuda.set_device(device)   # NCCL binds this rank's communicator to its GPU
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = timeout
             self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), self.rank,

@@ -58,10 +58,12 @@ class LLM:
 
     @classmethod
     def from_configs(cls, model_config: ModelConfig, cache_config: CacheConfig,
-                     scheduler_config: SchedulerConfig, parallel_config: ParallelConfig | None = None) -> LLM:
-        """``parallel_config``: only its ``tensor_parallel_size`` counts; the ranks are local."""
+                     scheduler_config: SchedulerConfig, parallel_config: ParallelConfig | None = None, *,
+                     tensor_parallel_size: int | None = None) -> LLM:
+        """The ranks are always local: of ``parallel_config`` only ``tensor_parallel_size``
+        counts (or give ``tensor_parallel_size`` alone)."""
         llm = cls.__new__(cls)
-        size = 1 if parallel_config is None else parallel_config.tensor_parallel_size
+        size = tensor_parallel_size or (1 if parallel_config is None else parallel_config.tensor_parallel_size)
         llm._start(model_config, cache_config, scheduler_config, size)
         return llm
 

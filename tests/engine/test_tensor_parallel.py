@@ -62,8 +62,12 @@ def test_tp2_greedy_tokens_and_logprobs_match_tp1(arch, tiny_model_dir, make_llm
     assert [r.token_ids for r in again] == [r.token_ids for r in expected[:2]]
 
 
-def test_close_stops_followers_and_frees_their_pools(tiny_model_dir, make_llm):
-    llm = make_llm(tiny_model_dir("llama"), tensor_parallel_size=2)
+def test_close_stops_followers_and_frees_their_pools(tiny_model_dir):
+    from engine.llm import LLM
+
+    # from_configs is what `tandem generate` uses.
+    llm = LLM.from_configs(ModelConfig(str(tiny_model_dir("llama")), dtype="float32", device="cpu"),
+                           CacheConfig(num_gpu_blocks_override=32), SchedulerConfig(), tensor_parallel_size=2)
     [pid] = llm.followers.pids()
     own_pool = llm.engine.runner.kv_pool.shm_path
     assert _pid_alive(pid) and _shm_pools(pid) and own_pool.exists()
@@ -73,6 +77,7 @@ def test_close_stops_followers_and_frees_their_pools(tiny_model_dir, make_llm):
     assert not _pid_alive(pid)
     assert _shm_pools(pid) == []
     assert not own_pool.exists()
+    llm.close()   # twice is harmless
 
 
 def test_dead_follower_fails_generate_instead_of_hanging(tiny_model_dir, make_llm):
