@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from engine.cli_args import add_config_args
@@ -206,12 +207,16 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
 
 def connect(address: str | None, *, may_start: bool = False, detach: bool = False) -> bool:
     """Connect this process to Ray; returns True when it started a local cluster with
-    ``ray start`` (``tandem down`` then stops it)."""
+    ``ray start`` (``tandem down`` then stops it). Call it before anything imports ray."""
+    if address != "local" and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
+        # Ray turns token authentication on by itself for `auto`, not for an explicit address,
+        # and reads the mode once, at import: do what `auto` does (clusters without auth ignore it).
+        os.environ["RAY_AUTH_MODE"] = "token"
     import ray
 
     from deploy.controller import NAMESPACE
 
-    # Token authentication is Ray's default; its notice on every connect is noise for `tandem status`.
+    # Its notice on every connect is noise for `tandem status`.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     quiet = {"namespace": NAMESPACE, "logging_level": logging.WARNING, "log_to_driver": may_start and not detach}
     if address != "local":
@@ -254,9 +259,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
     CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
 
+    owns_cluster = connect(args.address, may_start=True, detach=args.detach)
     import ray
 
-    owns_cluster = connect(args.address, may_start=True, detach=args.detach)
     try:
         return _serve(args, tp, arch, owns_cluster)
     finally:
@@ -270,10 +275,11 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
 
     try:
         ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+    except ValueError:
+        pass                                          # none: good
+    else:
         raise ServeError("a Tandem deployment is already running on this Ray cluster: see `tandem status`, "
                          "stop it with `tandem down`")
-    except ValueError:
-        pass
     use_gpu = args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     alive_nodes = [n for n in ray.nodes() if n["Alive"]]
     if not use_gpu and len(alive_nodes) == 1:
@@ -392,9 +398,9 @@ def render_status(status: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    connect(args.address)
     import ray
 
-    connect(args.address)
     try:
         status = ray.get(_controller().status.remote())
     finally:
@@ -404,9 +410,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
+    connect(args.address)
     import ray
 
-    connect(args.address)
     try:
         controller = _controller()
         try:
@@ -424,9 +430,9 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    connect(args.address)
     import ray
 
-    connect(args.address)
     try:
         controller = _controller()
         status = ray.get(controller.status.remote())

@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from deploy.launch import REPO_ROOT
+# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
+from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 
 pytestmark = pytest.mark.slow
 MODEL = "smollm2-135m-instruct"
@@ -59,7 +61,7 @@ def start_serve(tmp_path: Path, *flags: str) -> Deployment:
     deadline = time.monotonic() + SERVE_TIMEOUT_S
     while not any(line.startswith("  Ray cluster:") for line in lines):
         if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
+            interrupt(proc)
             pytest.fail(f"tandem serve did not come up (exit {proc.poll()}):\n{''.join(lines)}\n{dep.log_tail()}")
         time.sleep(0.2)
     dep.lines = lines
@@ -146,16 +148,29 @@ def wait_for(predicate, what: str, timeout_s: float = 120.0, dep: Deployment | N
     pytest.fail(f"{what} did not happen within {timeout_s:.0f} s" + (f"\n{dep.log_tail()}" if dep else ""))
 
 
+def interrupt(proc: subprocess.Popen) -> None:
+    """Ctrl-C for a `tandem serve` that is still running (it stops what it started)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     dep = start_serve(tmp_path_factory.mktemp("serve"), "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048")
-    pids = all_pids(dep.status())
-    yield dep
-    pids += all_pids(dep.status())
-    down = dep.cli("down")
-    assert "stopped the deployment" in down.stdout
-    assert dep.proc.wait(60) == 0, dep.log_tail()                # the foreground `tandem serve` sees it
-    assert_nothing_left(pids)
+    try:
+        pids = all_pids(dep.status())
+        yield dep
+        pids += all_pids(dep.status())
+        down = dep.cli("down")
+        assert "stopped the deployment" in down.stdout
+        assert dep.proc.wait(60) == 0, dep.log_tail()            # the foreground `tandem serve` sees it
+        assert_nothing_left(pids)
+    finally:
+        interrupt(dep.proc)
 
 
 def test_the_official_openai_client_gets_paris(deployment):
@@ -230,3 +245,33 @@ def test_a_worker_that_cannot_start_fails_serve_with_its_error_and_leaves_nothin
     leftovers = subprocess.run(["pgrep", "-af", r"-m (prefill_worker|decode_worker|router) "],
                                capture_output=True, text=True).stdout
     assert not leftovers.strip(), leftovers
+
+
+def completions(http: str, model: str, prompts: list[str], max_tokens: int) -> list[str]:
+    with httpx.Client(base_url=http, timeout=300) as client:
+        out = []
+        for prompt in prompts:
+            r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                     "temperature": 0, "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            out.append(r.json()["choices"][0]["text"])
+        return out
+
+
+def test_tp_2_serves_the_same_greedy_text_as_tp_1(tmp_path, tiny_model_dir):  # noqa: F811 - fixture by name
+    model = str(tiny_model_dir("llama"))          # 4 attention heads, 2 KV heads: TP 2 splits both
+    prompts = ["The quick brown fox", "Once upon a time", "1, 2, 3,"]
+    texts = {}
+    for tp in (1, 2):
+        dep = start_serve(tmp_path / f"tp{tp}", "--model", model, "--tensor-parallel-size", str(tp),
+                          "--kv-cache-memory", str(64 << 20))
+        try:
+            status = dep.status()
+            assert all(w["tp"] == tp and len(w["pids"]) == tp for w in status["workers"])
+            texts[tp] = completions(dep.http, model, prompts, 24)
+            pids = all_pids(status)
+        finally:
+            interrupt(dep.proc)                       # Ctrl-C
+        assert dep.proc.returncode == 0, dep.log_tail()
+        assert_nothing_left(pids)
+    assert texts[2] == texts[1] and all(texts[1])
