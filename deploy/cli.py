@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from engine.cli_args import add_config_args, config_from_args
-from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +46,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, ModelConfig)
     add_config_args(p, CacheConfig)
     add_config_args(p, SchedulerConfig)
+    add_config_args(p, ParallelConfig, skip=("tp_rank", "dist_init_address"))
     p.set_defaults(func=_cmd_generate)
 
 
@@ -71,7 +72,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
                             logprobs=args.logprobs)
     prompts = _read_prompts(args)
     llm = LLM.from_configs(config_from_args(ModelConfig, args), config_from_args(CacheConfig, args),
-                           config_from_args(SchedulerConfig, args))
+                           config_from_args(SchedulerConfig, args),
+                           tensor_parallel_size=args.tensor_parallel_size)
     try:
         if args.chat:
             outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)

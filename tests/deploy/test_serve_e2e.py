@@ -50,6 +50,7 @@ class Deployment:
 
 
 def start_serve(tmp_path: Path, *flags: str) -> Deployment:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "serve.log"
     proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "serve", "--address", "local", "--http-port", "0",
                              "--grpc-port", "0", *flags], stdout=subprocess.PIPE, stderr=open(log, "wb"),
