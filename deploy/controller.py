@@ -269,6 +269,10 @@ class Controller:
             ray.kill(host)
             raise RuntimeError(f"router failed to start: {_error_of(exc)}") from None
         self._router_host = host
+        # A restarted router must come back on the same ports, also when they were picked (0).
+        for flag, address in (("--http-port", info["http"]), ("--grpc-port", info["grpc"])):
+            if address and flag in spec.router_flags:
+                spec.router_flags[spec.router_flags.index(flag) + 1] = address.rsplit(":", 1)[1]
         node = ray.get(host.node.remote())
         self.router = {"http": info["http"], "grpc": info["grpc"], "node": node["ip"], "pid": pid}
         if self._channel is not None:

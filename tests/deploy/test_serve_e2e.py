@@ -232,6 +232,24 @@ def test_kill_9_of_a_decode_worker_under_16_streams_changes_no_output(deployment
     assert run_streams(deployment.http, prompts[:2], 8)[0]["completion_tokens"] == 8
 
 
+def _healthy(http: str) -> bool:
+    try:
+        return httpx.get(f"{http}/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_a_killed_router_comes_back_on_the_same_ports_with_every_worker(deployment):
+    before = deployment.status()
+    os.kill(before["router"]["pid"], signal.SIGKILL)
+    after = wait_for(lambda: (st := deployment.status())["router"]["pid"] != before["router"]["pid"] and st,
+                     "the controller restarting the router", dep=deployment)
+    assert (after["router"]["http"], after["router"]["grpc"]) == (before["router"]["http"], before["router"]["grpc"])
+    wait_for(lambda: _healthy(deployment.http), "the new router seeing every worker healthy", dep=deployment)
+    assert completions(deployment.http, MODEL, ["Hi"], 4)[0]
+    assert [w["pid"] for w in after["workers"]] == [w["pid"] for w in before["workers"]]
+
+
 def test_a_worker_that_cannot_start_fails_serve_with_its_error_and_leaves_nothing(tmp_path):
     log = tmp_path / "serve.log"
     started = time.monotonic()
