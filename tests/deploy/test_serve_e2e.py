@@ -297,7 +297,9 @@ def test_tp_2_serves_the_same_greedy_text_as_tp_1(tmp_path, tiny_model_dir):  # 
 
 
 def test_detach_starts_a_ray_cluster_that_down_stops(tmp_path):
-    assert not subprocess.run(["pgrep", "raylet"], capture_output=True).stdout, "another Ray cluster runs here"
+    # `ray start` takes the default port 6379: the local clusters of the tests above must be gone.
+    wait_for(lambda: not subprocess.run(["pgrep", "raylet"], capture_output=True).stdout,
+             "earlier local Ray clusters exiting", 60)
     cli = [sys.executable, "-m", "deploy.cli"]
     done = subprocess.run([*cli, "serve", "--address", "local", "--detach", "--http-port", "0", "--grpc-port", "0",
                            "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048"],
