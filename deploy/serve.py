@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.cli_args import add_config_args
+from engine.cli_args import add_config_args, config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig
 from engine.serving.config import WorkerConfig
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
 logger = logging.getLogger(__name__)
+# WorkerConfig flags `serve` passes on to workers; the controller sets the others (host, ports).
 WORKER_KNOBS = ("kv_backend", "kv_lease_s", "log_interval_s", "num_threads")
+_NOT_WORKER_KNOBS = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in WORKER_KNOBS)
 READY_POLL_S = 0.5
 
 
@@ -75,8 +77,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     add_config_args(p, ModelConfig)
     add_config_args(p, CacheConfig)
     add_config_args(p, SchedulerConfig)
-    add_config_args(p, WorkerConfig, skip=tuple(f.name for f in dataclasses.fields(WorkerConfig)
-                                                 if f.name not in WORKER_KNOBS))
+    add_config_args(p, WorkerConfig, skip=_NOT_WORKER_KNOBS)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("status", help="the deployment's router and workers (role, address, load, KV usage)")
@@ -99,21 +100,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_down, log_level="WARNING")
 
 
-def flags_from_args(cls: type, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
-    """The flags that pass ``args``' non-default values of ``cls``'s fields on to a worker."""
-    flags: list[str] = []
-    for f in dataclasses.fields(cls):
-        if f.name in skip or not hasattr(args, f.name):
-            continue
-        value = getattr(args, f.name)
-        if value == f.default:
-            continue
-        name = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(name if value else "--no-" + name[2:])
-        else:
-            flags += [name, str(value)]
-    return flags
+def worker_flags(args: argparse.Namespace) -> list[str]:
+    """The engine and worker knobs given to `serve` (those that differ from the defaults), as
+    flags for every worker."""
+    return [flag for cls, skip in ((ModelConfig, ("model",)), (CacheConfig, ()), (SchedulerConfig, ()),
+                                   (WorkerConfig, _NOT_WORKER_KNOBS))
+            for flag in config_to_args(config_from_args(cls, args), skip, changed_only=True)]
 
 
 # -- startup checks --------------------------------------------------------------------------
@@ -288,10 +280,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
     if args.served_model_name:
         router_flags += ["--served-model-name", args.served_model_name]
-    worker_flags = (flags_from_args(ModelConfig, args, skip=("model",)) + flags_from_args(CacheConfig, args)
-                    + flags_from_args(SchedulerConfig, args) + flags_from_args(WorkerConfig, args))
     spec = ServeSpec(model=args.model, replicas={"prefill": args.prefill, "decode": args.decode}, tp=tp,
-                     worker_flags=worker_flags, router_flags=router_flags, router_host=args.host,
+                     worker_flags=worker_flags(args), router_flags=router_flags, router_host=args.host,
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s)

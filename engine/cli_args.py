@@ -66,13 +66,14 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> A
     return cls(**values)
 
 
-def config_to_args(config: Any, skip: tuple[str, ...] = ()) -> list[str]:
+def config_to_args(config: Any, skip: tuple[str, ...] = (), changed_only: bool = False) -> list[str]:
     """The flags that ``add_config_args`` + ``config_from_args`` turn back into ``config``
-    (for spawning a process with the same settings)."""
+    (for spawning a process with the same settings); ``changed_only``: only the fields that
+    differ from their defaults."""
     argv: list[str] = []
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
-        if f.name in skip or value is None:
+        if f.name in skip or value is None or (changed_only and value == f.default):
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):

@@ -21,11 +21,10 @@ def run_cli(*argv: str) -> subprocess.CompletedProcess:
 
 
 def test_only_changed_engine_knobs_are_passed_to_workers():
-    from engine.config import CacheConfig, SchedulerConfig
-
-    args = parse("--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size", "16")
-    assert serve.flags_from_args(SchedulerConfig, args) == ["--max-num-seqs", "8"]
-    assert serve.flags_from_args(CacheConfig, args) == ["--no-enable-prefix-caching"]
+    args = parse("--max-num-seqs", "8", "--no-enable-prefix-caching", "--block-size", "16", "--kv-backend", "tcp",
+                 "--host", "0.0.0.0", "--dtype", "bfloat16")  # --host is the router's, not a worker flag
+    assert serve.worker_flags(args) == ["--dtype", "bfloat16", "--no-enable-prefix-caching", "--max-num-seqs", "8",
+                                        "--kv-backend", "tcp"]
 
 
 def test_tp_sizes():
