@@ -91,3 +91,22 @@ def reference(tiny_dir) -> Iterator[Callable[..., list]]:
 
 def prompts_for(lengths: list[int], seed: int) -> list[list[int]]:
     return [random_prompt(seed=seed + i, num_tokens=n) for i, n in enumerate(lengths)]
+
+
+def check_greedy_matches_colocated(prefill, decode, reference, lengths: list[int], max_tokens: list[int],
+                                   seed: int, tag: str) -> list:
+    """Concurrent greedy requests through the P/D pair: every one gives the colocated LLM's tokens
+    and ends with finish_reason "length"; returns the results (both workers idle again)."""
+    from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
+
+    prompts = prompts_for(lengths, seed=seed)
+    expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+    results = run_concurrently([
+        (lambda i=i: generate(prefill, decode, f"{tag}-{i}", prompts[i], greedy(max_tokens[i])))
+        for i in range(len(prompts))])
+    for i, (result, ref) in enumerate(zip(results, expected)):
+        assert result.error is None and result.submit_error is None, (i, result.error, result.submit_error)
+        assert result.token_ids == ref.token_ids, f"request {i} (prompt {lengths[i]} tokens)"
+        assert result.final.finish_reason == "length"
+    wait_idle(prefill, decode)
+    return results

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import pool_flags, prompts_for
+from tests.workers.conftest import check_greedy_matches_colocated, pool_flags, prompts_for
 from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
 
 LENGTHS = [3, 90, 17, 33, 64, 5, 48, 16, 81, 29, 12, 70, 9, 55, 40, 24]
@@ -31,20 +31,11 @@ def pair(request, spawn_module, tiny_dir):
 
 def test_sixteen_concurrent_greedy_requests_match_colocated(pair, reference):
     prefill, decode = pair
-    prompts = prompts_for(LENGTHS, seed=1000)
-    expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                                   for m in MAX_TOKENS])
-    results = run_concurrently([
-        (lambda i=i: generate(prefill, decode, f"greedy-{i}", prompts[i], greedy(MAX_TOKENS[i])))
-        for i in range(len(prompts))])
-    for i, (result, ref) in enumerate(zip(results, expected)):
-        assert result.error is None and result.submit_error is None, (i, result.error, result.submit_error)
-        assert result.token_ids == ref.token_ids, f"request {i} (prompt {LENGTHS[i]} tokens)"
+    results = check_greedy_matches_colocated(prefill, decode, reference, LENGTHS, MAX_TOKENS, seed=1000, tag="greedy")
+    for i, result in enumerate(results):
         final = result.final
-        assert final.finish_reason == "length"
         assert (final.num_prompt_tokens, final.num_output_tokens) == (LENGTHS[i], MAX_TOKENS[i])
         assert all(not r.finish_reason for r in result.responses[:-1])
-    wait_idle(prefill, decode)
     assert decode.stats().kv_blocks_total == 256
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from engine.config import SamplingParams
 from engine.distributed import free_local_port
-from tests.workers.conftest import pool_flags, prompts_for
+from tests.workers.conftest import check_greedy_matches_colocated, pool_flags, prompts_for
 from protos.tandem.v1 import worker_pb2
 from tests.workers.harness import RPC_TIMEOUT_S, START_TIMEOUT_S, generate, greedy, run_concurrently, wait_idle
 
@@ -54,17 +54,7 @@ def test_follower_ranks_report_ready_without_grpc(tp_pair):
 
 def test_tp2_workers_match_colocated_greedy(tp_pair, reference):
     (prefill, _), (decode, _) = tp_pair
-    prompts = prompts_for(LENGTHS, seed=7000)
-    expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
-                                   for m in MAX_TOKENS])
-    results = run_concurrently([
-        (lambda i=i: generate(prefill, decode, f"tp-greedy-{i}", prompts[i], greedy(MAX_TOKENS[i])))
-        for i in range(len(prompts))])
-    for i, (result, ref) in enumerate(zip(results, expected)):
-        assert result.error is None and result.submit_error is None, (i, result.error, result.submit_error)
-        assert result.token_ids == ref.token_ids, f"request {i} (prompt {LENGTHS[i]} tokens)"
-        assert result.final.finish_reason == "length"
-    wait_idle(prefill, decode)
+    check_greedy_matches_colocated(prefill, decode, reference, LENGTHS, MAX_TOKENS, seed=7000, tag="tp-greedy")
 
 
 def test_tp2_workers_logprobs_match_colocated(tp_pair, reference):
