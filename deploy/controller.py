@@ -64,13 +64,11 @@ class ServeSpec:
     tp: dict[str, int]                       # tensor-parallel ranks per replica, per role
     worker_flags: list[str]                  # engine knobs passed to every worker
     router_flags: list[str]                  # --host, ports, policies (not the API key)
-    router_host: str
     api_key: str = ""
     router_node_id: str = ""                 # the node `tandem serve` ran on
     use_gpu: bool = False
     cpus_per_rank: float = 0.1
     router_cpus: float = 0.1
-    num_threads: int = 0                     # torch threads per CPU worker; 0 = node CPUs / ranks
     started_ray: bool = False                # `tandem down` stops the Ray cluster too
     start_timeout_s: float = 900.0
 
@@ -475,7 +473,7 @@ class Controller:
         if not spec.use_gpu and "--num-threads" not in spec.worker_flags:
             with self._lock:
                 ranks = sum(self.desired[role] * spec.tp[role] for role in ROLES)
-            flags += ["--num-threads", str(spec.num_threads or max(1, node["cpus"] // max(1, ranks)))]
+            flags += ["--num-threads", str(max(1, node["cpus"] // max(1, ranks)))]
         if r.tp > 1:
             flags += ["--tensor-parallel-size", str(r.tp),
                       "--dist-init-address", f"{node['ip']}:{ray.get(r.hosts[0].free_port.remote())}"]

@@ -281,7 +281,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
     if args.served_model_name:
         router_flags += ["--served-model-name", args.served_model_name]
     spec = ServeSpec(model=args.model, replicas={"prefill": args.prefill, "decode": args.decode}, tp=tp,
-                     worker_flags=worker_flags(args), router_flags=router_flags, router_host=args.host,
+                     worker_flags=worker_flags(args), router_flags=router_flags,
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s)
