@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -242,6 +243,10 @@ def _controller():
         raise ServeError("no Tandem deployment is running on this Ray cluster (start one with `tandem serve`)") from None
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     tp = _tp_sizes(args)
     if args.prefill < 1 or args.decode < 1:
@@ -254,6 +259,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     owns_cluster = connect(args.address, may_start=True, detach=args.detach)
     import ray
 
+    # Ctrl-C and SIGTERM (`kill`, a supervisor) both stop what serve started, in order; also when
+    # it was launched with SIGINT ignored (a background job of a non-interactive shell). Set
+    # after ray.init, which installs handlers of its own.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return _serve(args, tp, arch, owns_cluster)
     finally:

@@ -289,6 +289,9 @@ def test_tp_2_serves_the_same_greedy_text_as_tp_1(tmp_path, tiny_model_dir):  # 
             assert all(w["tp"] == tp and len(w["pids"]) == tp for w in status["workers"])
             texts[tp] = completions(dep.http, model, prompts, 24)
             pids = all_pids(status)
+            if tp == 2:
+                dep.proc.send_signal(signal.SIGTERM)  # `kill`: stops everything in order, like Ctrl-C
+                dep.proc.wait(120)
         finally:
             interrupt(dep.proc)                       # Ctrl-C
         assert dep.proc.returncode == 0, dep.log_tail()
