@@ -213,9 +213,12 @@ class Controller:
             workers = []
             for r in self.replicas:
                 seen = cluster.get(r.address)
+                # A replica that keeps dying reads "crashloop" until it serves again.
+                state = "crashloop" if r.state == "starting" and r.failures >= CRASHLOOP_AFTER else r.state
                 workers.append({
                     "id": r.id, "role": r.role, "address": r.address or None, "pid": r.pids[0] if r.pids else None,
-                    "pids": list(r.pids), "node": r.node or None, "state": r.state, "tp": r.tp,
+                    "pids": list(r.pids), "node": r.node or None, "state": state, "tp": r.tp,
+                    "failures": r.failures,
                     "num_running": seen.num_running if seen else 0, "num_waiting": seen.num_waiting if seen else 0,
                     "num_inflight": seen.num_inflight if seen else 0,
                     "num_requests": seen.num_requests if seen else 0, "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,

@@ -232,6 +232,30 @@ def test_kill_9_of_a_decode_worker_under_16_streams_changes_no_output(deployment
     assert run_streams(deployment.http, prompts[:2], 8)[0]["completion_tokens"] == 8
 
 
+def test_a_decode_worker_that_keeps_dying_shows_as_crashloop_then_recovers(deployment):
+    def decode() -> dict:
+        return next(w for w in deployment.status()["workers"] if w["role"] == "decode")
+
+    seen = None
+    for _ in range(6):                          # kill it each time it is back, until it reads crashloop
+        w = wait_for(lambda: (d := decode())["state"] in ("running", "crashloop") and d, "decode up or looping",
+                     dep=deployment)
+        if w["state"] == "crashloop":
+            seen = w
+            break
+        os.kill(w["pid"], signal.SIGKILL)
+        wait_for(lambda: decode()["pid"] != w["pid"], "the controller noticing the death", dep=deployment)
+    assert seen is not None, "never reported crashloop"
+    assert seen["failures"] >= 3 and "exited with code -9" in seen["error"]
+    table = deployment.cli("status").stdout
+    assert "crashloop" in table and "exited with code -9" in table
+    back = wait_for(lambda: (d := decode())["state"] == "running" and d, "recovery after the back-off",
+                    timeout_s=180, dep=deployment)
+    assert back["restarts"] >= 3
+    wait_for(lambda: _healthy(deployment.http), "the router seeing it healthy", dep=deployment)
+    assert completions(deployment.http, MODEL, ["Hi"], 4)[0]
+
+
 def _healthy(http: str) -> bool:
     try:
         return httpx.get(f"{http}/health", timeout=5).status_code == 200
