@@ -53,6 +53,7 @@ CONFIG_ERROR_EXIT = 2               # workers and the router exit 2 on a bad fla
 STABLE_AFTER_S = 60.0               # a replica up this long has its consecutive failures forgotten
 MAX_BACKOFF_S = 60.0
 CRASHLOOP_AFTER = 3                 # consecutive failures before the state reads "crashloop"
+SYNC_ROUTER_S = 2.0                 # how often the router's membership is checked against ours
 
 
 @dataclass
@@ -183,6 +184,7 @@ class Controller:
         self._stopping = threading.Event()
         self._loop: threading.Thread | None = None
         self._ids = {role: itertools.count(0) for role in ROLES}
+        self._next_sync = 0.0
 
     # -- API for the CLI -----------------------------------------------------------------------
 
@@ -295,21 +297,21 @@ class Controller:
 
     def _register(self, r: Replica) -> None:
         self._router_stub().RegisterWorker(tandem_pb2.RegisterWorkerRequest(role=r.role, address=r.address),
-                                           timeout=10.0, metadata=self._metadata())
+                                           timeout=10.0, metadata=self._metadata(), wait_for_ready=True)
 
     def _deregister(self, r: Replica, drain: bool = False) -> None:
         if not r.address:
             return
         try:
             self._router_stub().DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=r.address, drain=drain),
-                                                 timeout=10.0, metadata=self._metadata())
+                                                 timeout=10.0, metadata=self._metadata(), wait_for_ready=True)
         except (grpc.RpcError, RuntimeError) as exc:
             logger.warning("could not deregister %s from the router: %s", r.id, exc)
 
     def _router_view(self) -> dict[str, Any] | None:
         try:
             return {w.address: w for w in self._router_stub().GetCluster(
-                tandem_pb2.GetClusterRequest(), timeout=5.0, metadata=self._metadata()).workers}
+                tandem_pb2.GetClusterRequest(), timeout=5.0, metadata=self._metadata(), wait_for_ready=True).workers}
         except (grpc.RpcError, RuntimeError):
             return None
 
@@ -319,6 +321,9 @@ class Controller:
         while not self._stopping.wait(0.5):
             try:
                 self._check_router()
+                if time.monotonic() >= self._next_sync:
+                    self._next_sync = time.monotonic() + SYNC_ROUTER_S
+                    self._sync_router()
                 self._check_replicas()
                 self._reconcile()
             except Exception:  # noqa: BLE001 - the loop must outlive one bad tick
@@ -339,9 +344,19 @@ class Controller:
         except Exception:  # noqa: BLE001
             pass
         self._start_router()
+        self._sync_router()
+
+    def _sync_router(self) -> None:
+        """Register with the router every running (or draining) replica it does not list: after
+        a router restart, or a registration lost on the way."""
+        view = self._router_view()
+        if view is None:
+            return
         with self._lock:
-            running = [r for r in self.replicas if r.state in ("running", "draining")]
-        for r in running:
+            missing = [r for r in self.replicas
+                       if r.state in ("running", "draining") and not r.busy and r.address not in view]
+        for r in missing:
+            logger.info("registering %s worker %s at %s with the router again", r.role, r.id, r.address)
             self._register(r)
             if r.state == "draining":
                 self._deregister(r, drain=True)
