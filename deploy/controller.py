@@ -206,11 +206,7 @@ class Controller:
         return dict(self.desired)
 
     def status(self) -> dict[str, Any]:
-        try:
-            cluster = {w.address: w for w in self._router_stub().GetCluster(
-                tandem_pb2.GetClusterRequest(), timeout=2.0, metadata=self._metadata()).workers}
-        except grpc.RpcError:
-            cluster = {}
+        cluster = self._router_view(timeout_s=2.0, wait=False) or {}   # the router may be restarting
         with self._lock:
             workers = []
             for r in self.replicas:
@@ -308,10 +304,12 @@ class Controller:
         except (grpc.RpcError, RuntimeError) as exc:
             logger.warning("could not deregister %s from the router: %s", r.id, exc)
 
-    def _router_view(self) -> dict[str, Any] | None:
+    def _router_view(self, timeout_s: float = 5.0, wait: bool = True) -> dict[str, Any] | None:
+        """The router's workers by address; None when it does not answer."""
         try:
             return {w.address: w for w in self._router_stub().GetCluster(
-                tandem_pb2.GetClusterRequest(), timeout=5.0, metadata=self._metadata(), wait_for_ready=True).workers}
+                tandem_pb2.GetClusterRequest(), timeout=timeout_s, metadata=self._metadata(),
+                wait_for_ready=wait).workers}
         except (grpc.RpcError, RuntimeError):
             return None
 
