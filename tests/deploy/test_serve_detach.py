@@ -33,5 +33,7 @@ def test_detach_starts_a_ray_cluster_that_down_stops(tmp_path):
     finally:
         down = subprocess.run([*cli, "down"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=300)
     assert "stopped the deployment and the Ray cluster" in down.stdout, down.stdout + down.stderr
+    again = subprocess.run([*cli, "status"], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+    assert again.returncode == 2 and "nothing is serving here" in again.stderr
     assert_nothing_left(all_pids(status))
     wait_for(lambda: not subprocess.run(["pgrep", "raylet"], capture_output=True).stdout, "raylet exiting", 60)

@@ -213,6 +213,19 @@ def test_scaling_decode_up_and_down_under_32_streams_fails_nothing(deployment):
             assert (r["finish_reason"], r["completion_tokens"]) == ("length", tokens), r
 
 
+def test_scaling_prefill_up_and_down_under_16_streams_fails_nothing(deployment):
+    streams = Streams(deployment.http, [f"Describe color number {i}." for i in range(16)], max_tokens=32)
+    deployment.cli("scale", "prefill", "2")
+    prefills = [w for w in deployment.status()["workers"] if w["role"] == "prefill"]
+    assert len(prefills) == 2 and all(w["state"] == "running" for w in prefills)
+    more = Streams(deployment.http, [f"Spell the word {i}." for i in range(8)], max_tokens=16)
+    deployment.cli("scale", "prefill", "1")
+    assert [w["role"] for w in deployment.status()["workers"]].count("prefill") == 1
+    for results, tokens in ((streams.join_result(), 32), (more.join_result(), 16)):
+        for r in results:
+            assert (r["finish_reason"], r["completion_tokens"]) == ("length", tokens), r
+
+
 def test_kill_9_of_a_decode_worker_under_16_streams_changes_no_output(deployment):
     prompts = [f"Tell me about the number {i}." for i in range(16)]
     reference = run_streams(deployment.http, prompts, 64)
