@@ -70,6 +70,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.state = state
         self.token_interval_s = token_interval_s
         self.fail_after_tokens = fail_after_tokens   # end each stream with UNAVAILABLE after this many
+        self.stats_delay_s = 0.0                     # a slow (or, with a large value, hung) Stats
         self._cancel: dict[str, asyncio.Event] = {}
 
     async def Generate(self, request, context):
@@ -114,6 +115,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.AbortResponse()
 
     async def Stats(self, request, context):
+        await asyncio.sleep(self.stats_delay_s)
         return self.state.stats("decode")
 
 

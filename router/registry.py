@@ -130,6 +130,13 @@ class WorkerRegistry:
         """One Stats call; True if it answered. Removes a healthy worker after too many misses."""
         try:
             stats = await worker.stub.Stats(worker_pb2.StatsRequest(), timeout=self.heartbeat_timeout_s)
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():
+                raise
+            # Not us: `remove` closed the channel under this call (another probe found it dead).
+            # A CancelledError escaping here would end the caller's HTTP stream mid-response.
+            worker.missed += 1
+            return False
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             worker.missed += 1
             if worker.healthy and worker.missed >= self.max_missed:

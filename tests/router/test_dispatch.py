@@ -170,6 +170,31 @@ def test_a_request_whose_only_decode_worker_died_waits_for_its_replacement(loop_
         failover_wait_s=30.0)
 
 
+def test_a_probe_whose_channel_is_closed_by_a_concurrent_removal_is_a_miss_not_a_cancellation(loop_thread):
+    """Many requests break at once and probe the same worker; the first failed probe removes it
+    and closes its channel under the other probes' calls. Those must read as misses: a
+    CancelledError escaping here used to end their HTTP streams mid-response."""
+    from router.registry import WorkerRegistry
+
+    async def main():
+        hung = await FakeWorker("decode").start()
+        registry = WorkerRegistry(heartbeat_timeout_s=0.5, max_missed=1)
+        try:
+            registry.add("decode", hung.address)
+            assert await registry.poll(registry.get(hung.address))          # healthy
+            hung.servicer.stats_delay_s = 30.0
+            first = asyncio.ensure_future(registry.probe(hung.address))
+            await asyncio.sleep(0.2)
+            second = asyncio.ensure_future(registry.probe(hung.address))  # in flight when `first` removes
+            return await asyncio.gather(first, second, return_exceptions=True), registry.get(hung.address)
+        finally:
+            await registry.stop()
+            await hung.stop(0)
+    (first, second), left = loop_thread.run(main())
+    assert first is False and second is False, (first, second)
+    assert left is None
+
+
 def test_router_stop_ends_every_task_it_started(loop_thread, tokenizer):
     async def main():
         before = set(asyncio.all_tasks())
