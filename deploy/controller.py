@@ -161,11 +161,15 @@ def record_failure(r: Replica, error: str, now: float, config_error: bool = Fals
         logger.warning("%s failed %d times in a row; next start in %.0f s: %s", r.id, r.failures, delay, error)
 
 
-def _error_of(exc: BaseException) -> str:
+def remote_error(exc: BaseException, kinds: tuple[str, ...] = ("WorkerStartError",)) -> str:
+    """The message of the first of ``kinds`` an exception from a Ray call carries (a
+    RayTaskError's text repeats the remote traceback), else its whole text."""
     text = str(exc)
-    # A RayTaskError's text repeats the remote traceback; keep the WorkerStartError part.
-    marker = "WorkerStartError: "
-    return (text[text.rfind(marker) + len(marker):] if marker in text else text).strip()
+    for kind in kinds:
+        marker = f"{kind}: "
+        if marker in text:
+            return text[text.rfind(marker) + len(marker):].strip()
+    return text.strip()
 
 
 @ray.remote
@@ -266,7 +270,7 @@ class Controller:
                     raise RuntimeError("the router did not report ready within 120 s")
         except Exception as exc:
             ray.kill(host)
-            raise RuntimeError(f"router failed to start: {_error_of(exc)}") from None
+            raise RuntimeError(f"router failed to start: {remote_error(exc)}") from None
         self._router_host = host
         # A restarted router must come back on the same ports, also when they were picked (0).
         for flag, address in (("--http-port", info["http"]), ("--grpc-port", info["grpc"])):
@@ -363,7 +367,6 @@ class Controller:
         with self._lock:
             watched = [r for r in self.replicas if r.state in ("running", "draining") and not r.busy]
         for r in watched:
-            codes: list[int | None] = []
             try:
                 codes = ray.get([h.returncode.remote() for h in r.hosts], timeout=10)
             except ray.exceptions.RayActorError:
@@ -378,11 +381,10 @@ class Controller:
             error = f"rank {rank} (pid {r.pids[rank] if rank < len(r.pids) else '?'}) exited with code {code}"
             logger.error("%s worker %s at %s: %s; %s", r.role, r.id, r.address, error,
                          "removing it" if r.state == "draining" else "restarting it")
-            self._deregister(r)
-            self._teardown(r)
+            self._stop_replica(r)
             with self._lock:
                 if r.state == "draining":
-                    self.replicas.remove(r)
+                    self._drop(r)
                     continue
                 r.restarts += 1
                 record_failure(r, error + (f"; last stderr lines:\n{tail}" if tail else ""), time.monotonic())
@@ -406,8 +408,8 @@ class Controller:
                         logger.info("draining %s worker %s at %s", r.role, r.id, r.address)
                         threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
                     elif not r.busy:
-                        self.replicas.remove(r)
-                        threading.Thread(target=self._teardown, args=(r,), daemon=True).start()
+                        self._drop(r)
+                        threading.Thread(target=self._stop_replica, args=(r,), daemon=True).start()
                     else:
                         r.state = "draining"      # the start thread sees it and tears down
             to_start = [r for r in self.replicas if not r.busy and r.state in ("pending", "restarting", "crashloop")
@@ -426,11 +428,9 @@ class Controller:
             if seen is not None and seen.num_inflight:
                 continue
             logger.info("%s drained; stopping it", r.id)
-            self._deregister(r)
-            self._teardown(r)
+            self._stop_replica(r)
             with self._lock:
-                if r in self.replicas:
-                    self.replicas.remove(r)
+                self._drop(r)
 
     # -- one replica -------------------------------------------------------------------------
 
@@ -441,13 +441,12 @@ class Controller:
         try:
             self._launch(r)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the replica's state
-            error = _error_of(exc)
-            self._teardown(r)
+            error = remote_error(exc)
+            self._stop_replica(r)            # it may have been registered before it failed
             with self._lock:
                 r.busy = False
                 if r.state == "draining" or self._stopping.is_set():
-                    if r in self.replicas:
-                        self.replicas.remove(r)
+                    self._drop(r)
                     return
                 record_failure(r, error, time.monotonic(), config_error=f"exit code {CONFIG_ERROR_EXIT})" in error)
             logger.error("%s did not start: %s", r.id, error)
@@ -460,11 +459,9 @@ class Controller:
                 abandon = False
                 r.state, r.ever_ready, r.up_since, r.last_error = "running", True, time.monotonic(), ""
         if abandon:
-            self._deregister(r)
-            self._teardown(r)
+            self._stop_replica(r)
             with self._lock:
-                if r in self.replicas:
-                    self.replicas.remove(r)
+                self._drop(r)
             return
         logger.info("%s worker %s is serving at %s (pid %s, node %s)", r.role, r.id, r.address, r.pids[0], r.node)
 
@@ -533,8 +530,15 @@ class Controller:
         except Exception:  # noqa: BLE001 - the host may be gone
             return ""
 
-    def _teardown(self, r: Replica) -> None:
+    def _stop_replica(self, r: Replica) -> None:
+        """Out of the router (its requests fail over, if any), then its processes and resources."""
+        self._deregister(r)
         self._teardown_many([r])
+
+    def _drop(self, r: Replica) -> None:
+        """Forget a stopped replica (lock held)."""
+        if r in self.replicas:
+            self.replicas.remove(r)
 
     def _teardown_many(self, replicas: list[Replica]) -> None:
         """Stop every rank (SIGTERM, then SIGKILL), kill the hosts, free the placement groups."""

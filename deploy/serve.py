@@ -180,18 +180,17 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
                          f"{per_token} bytes per token), less than one max_model_len={plan.max_model_len} sequence: "
                          f"lower --max-model-len or raise --kv-cache-memory to at least "
                          f"{per_token * plan.max_model_len / 2**30:.2f} GiB")
-    ranks = num_workers
     kv = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-    need = ranks * (plan.weight_bytes_per_gpu + kv)
+    need = num_workers * (plan.weight_bytes_per_gpu + kv)
     available = _mem_available()
     if available is not None and need > available:
-        raise ServeError(f"{ranks} worker processes need {need / 2**30:.1f} GiB ({plan.weight_bytes_per_gpu / 2**30:.2f} "
+        raise ServeError(f"{num_workers} worker processes need {need / 2**30:.1f} GiB ({plan.weight_bytes_per_gpu / 2**30:.2f} "
                          f"GiB weights + {kv / 2**30:.2f} GiB KV pool each) but this machine has "
                          f"{available / 2**30:.1f} GiB available: use fewer replicas (--prefill/--decode), "
                          f"--dtype bfloat16, or a smaller --kv-cache-memory")
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
-    if args.shared_memory and shm is not None and ranks * kv > shm:
-        raise ServeError(f"{ranks} KV pools of {kv / 2**30:.2f} GiB need {ranks * kv / 2**30:.1f} GiB of /dev/shm, "
+    if args.shared_memory and shm is not None and num_workers * kv > shm:
+        raise ServeError(f"{num_workers} KV pools of {kv / 2**30:.2f} GiB need {num_workers * kv / 2**30:.1f} GiB of /dev/shm, "
                          f"which has {shm / 2**30:.1f} GiB free: lower --kv-cache-memory or enlarge /dev/shm")
 
 
@@ -253,8 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ServeError(f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}")
     arch = check_model(args, tp)
     check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
-    ModelConfig(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
-    CacheConfig(block_size=args.block_size, kv_cache_memory=args.kv_cache_memory)
+    knobs = worker_flags(args)             # builds, and so checks, every engine config before Ray starts
 
     owns_cluster = connect(args.address, may_start=True, detach=args.detach)
     import ray
@@ -265,15 +263,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _serve(args, tp, arch, owns_cluster)
+        return _serve(args, tp, arch, knobs, owns_cluster)
     finally:
         ray.shutdown()
 
 
-def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster: bool) -> int:
+def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[str], owns_cluster: bool) -> int:
     import ray
 
-    from deploy.controller import CONTROLLER_NAME, NAMESPACE, Controller, ServeSpec
+    from deploy.controller import CONTROLLER_NAME, NAMESPACE, Controller, ServeSpec, remote_error
 
     try:
         ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
@@ -291,7 +289,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
     if args.served_model_name:
         router_flags += ["--served-model-name", args.served_model_name]
     spec = ServeSpec(model=args.model, replicas={"prefill": args.prefill, "decode": args.decode}, tp=tp,
-                     worker_flags=worker_flags(args), router_flags=router_flags,
+                     worker_flags=knobs, router_flags=router_flags,
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s)
@@ -310,7 +308,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
             _ray_stop()
         if isinstance(exc, (ServeError, KeyboardInterrupt)):
             raise
-        raise ServeError(_remote_error(exc)) from None
+        raise ServeError(remote_error(exc, ("RuntimeError", "ValueError"))) from None
     print(f"Tandem is serving {spec.model} on {len(status['workers'])} workers\n"
           f"  OpenAI HTTP: http://{router['http']}/v1\n  gRPC:        {router['grpc']}\n"
           f"  Ray cluster: {ray.get_runtime_context().gcs_address}", flush=True)
@@ -331,14 +329,6 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, owns_cluster
         _stop(controller)
         print("stopped", flush=True)
         return 0
-
-
-def _remote_error(exc: BaseException) -> str:
-    text = str(exc)
-    for marker in ("RuntimeError: ", "ValueError: "):
-        if marker in text:
-            return text[text.rfind(marker) + len(marker):].strip()
-    return text
 
 
 def _stop(controller) -> None:
@@ -413,12 +403,14 @@ def cmd_scale(args: argparse.Namespace) -> int:
     connect(args.address)
     import ray
 
+    from deploy.controller import remote_error
+
     try:
         controller = _controller()
         try:
             ray.get(controller.scale.remote(args.role, args.replicas))
         except ray.exceptions.RayTaskError as exc:
-            raise ServeError(_remote_error(exc)) from None
+            raise ServeError(remote_error(exc, ("RuntimeError", "ValueError"))) from None
         if args.no_wait:
             print(f"{args.role} replicas set to {args.replicas}")
             return 0

@@ -1,12 +1,12 @@
 """Worker registry of the router process: membership, heartbeats (Stats polls) and load.
 
 A worker joins through ``add`` (the ``--prefill``/``--decode`` flags, or the RegisterWorker RPC
-the controller calls). ``drain`` (scale-down) stops routing new requests to a worker while its
-in-flight ones finish; the controller removes it once ``num_inflight`` is 0. It is *joining* until its first Stats answer, then *healthy* and
+the controller calls). It is *joining* until its first Stats answer, then *healthy* and
 routable. A healthy worker that misses ``max_missed`` heartbeats in a row, or that a request
 reports as broken and then fails one immediate probe, is removed: listeners (the dispatcher)
 hear about it and fail its requests over. A joining worker is never removed for silence, so
-the router may start before its workers.
+the router may start before its workers. ``drain`` (scale-down) stops routing new requests to a
+worker while its in-flight ones finish; the controller removes it once ``num_inflight`` is 0.
 """
 from __future__ import annotations
 
