@@ -56,4 +56,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.AbortResponse()
 
     async def Stats(self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext):
-        return worker_pb2.StatsResponse(**await self.loop.run(self.loop.stats))
+        try:
+            snapshot = self.loop.snapshot()   # never waits on the engine thread (liveness != load)
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return worker_pb2.StatsResponse(**snapshot)

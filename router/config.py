@@ -22,8 +22,8 @@ class RouterConfig:
     decode_policy: str = "least_load"
     max_waiting: int = 1024                # requests waiting for their first token before 429
     heartbeat_interval_s: float = 1.0      # Stats poll period per worker
-    heartbeat_timeout_s: float = 2.0       # one Stats poll longer than this is a miss
-    max_missed_heartbeats: int = 2         # misses in a row that remove a worker
+    heartbeat_timeout_s: float = 2.0       # a Stats poll longer than this is late (logged, never a death)
+    max_missed_heartbeats: int = 2         # polls in a row finding it gone (UNAVAILABLE) that remove it
     max_attempts: int = 4                  # dispatches per request, the first one included
     rpc_timeout_s: float = 30.0            # unary worker RPCs (Submit, Abort)
     failover_wait_s: float = 60.0          # a failing-over request waits this long for a worker of each

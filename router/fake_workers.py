@@ -71,6 +71,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.token_interval_s = token_interval_s
         self.fail_after_tokens = fail_after_tokens   # end each stream with UNAVAILABLE after this many
         self.stats_delay_s = 0.0                     # a slow (or, with a large value, hung) Stats
+        self.stats_gone = False                      # Stats answers UNAVAILABLE (engine thread dead)
         self._cancel: dict[str, asyncio.Event] = {}
 
     async def Generate(self, request, context):
@@ -116,6 +117,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Stats(self, request, context):
         await asyncio.sleep(self.stats_delay_s)
+        if self.stats_gone:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")
         return self.state.stats("decode")
 
 

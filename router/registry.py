@@ -2,10 +2,13 @@
 
 A worker joins through ``add`` (the ``--prefill``/``--decode`` flags, or the RegisterWorker RPC
 the controller calls). It is *joining* until its first Stats answer, then *healthy* and
-routable. A healthy worker that misses ``max_missed`` heartbeats in a row, or that a request
-reports as broken and then fails one immediate probe, is removed: listeners (the dispatcher)
-hear about it and fail its requests over. A joining worker is never removed for silence, so
-the router may start before its workers. ``drain`` (scale-down) stops routing new requests to a
+routable. Liveness is not load: workers answer Stats from a snapshot, never by waiting on a
+step, and a heartbeat that is merely late (DEADLINE_EXCEEDED) marks the worker *slow* in the
+log, never dead. A worker is removed only when it is gone: its connection is refused or reset,
+HTTP/2 keepalive pings go unanswered (a vanished host, a frozen process), or it reports its
+engine thread dead (all UNAVAILABLE) -- on ``max_missed`` heartbeats in a row, or on one
+probe after a request broke on it. Listeners (the dispatcher) hear about a removal and fail its
+requests over. A joining worker is never removed, so the router may start before its workers. ``drain`` (scale-down) stops routing new requests to a
 worker while its in-flight ones finish; the controller removes it once ``num_inflight`` is 0.
 """
 from __future__ import annotations
@@ -22,6 +25,11 @@ from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 ROLES = ("prefill", "decode")
 MAX_MESSAGE_BYTES = 64 << 20
+# HTTP/2 keepalive: a peer whose process froze or whose host vanished stops answering pings and
+# the channel fails with UNAVAILABLE (the worker servers permit pings this often).
+KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
+                     ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
+GONE = frozenset({grpc.StatusCode.UNAVAILABLE})   # the only codes that say a worker is not there
 
 
 @dataclass(eq=False)
@@ -32,7 +40,8 @@ class WorkerState:
     stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False              # answered since it joined and has not been removed
-    missed: int = 0                    # heartbeats missed in a row
+    missed: int = 0                    # heartbeats in a row that found the worker gone
+    late: int = 0                      # heartbeats in a row that timed out (slow, not dead)
     num_inflight: int = 0              # requests the router has on this worker now
     num_requests: int = 0              # requests the router sent it since it registered
     removed: bool = False
@@ -78,7 +87,8 @@ class WorkerRegistry:
             if known.role != role:
                 raise ValueError(f"{address} is already registered as a {known.role} worker")
             return known
-        channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                              *KEEPALIVE_OPTIONS])
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         worker = self._workers[address] = WorkerState(role, address, channel, stub_cls(channel))
         logger.info("registered %s worker %s", role, address)
@@ -127,7 +137,15 @@ class WorkerRegistry:
     # -- heartbeats -------------------------------------------------------------------------
 
     async def poll(self, worker: WorkerState) -> bool:
-        """One Stats call; True if it answered. Removes a healthy worker after too many misses."""
+        """One Stats call; True if it answered. Removes a healthy worker only when it is gone
+        ``max_missed`` times in a row (see the module docstring); a late answer is never a death."""
+        gone = await self._stats(worker)
+        if gone and worker.healthy and worker.missed >= self.max_missed:
+            await self.remove(worker.address, f"{worker.missed} heartbeats found it gone ({gone})")
+        return gone is None and not worker.removed
+
+    async def _stats(self, worker: WorkerState) -> str | None:
+        """Refresh ``worker.stats``; None when it answered (or is only slow), else why it is gone."""
         try:
             stats = await worker.stub.Stats(worker_pb2.StatsRequest(), timeout=self.heartbeat_timeout_s)
         except asyncio.CancelledError:
@@ -136,33 +154,39 @@ class WorkerRegistry:
             # Not us: `remove` closed the channel under this call (another probe found it dead).
             # A CancelledError escaping here would end the caller's HTTP stream mid-response.
             worker.missed += 1
-            return False
+            return "channel closed"
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            worker.missed += 1
-            if worker.healthy and worker.missed >= self.max_missed:
-                detail = exc.code().name if isinstance(exc, grpc.aio.AioRpcError) else "timeout"
-                await self.remove(worker.address, f"{worker.missed} heartbeats missed ({detail})")
-            return False
+            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            if code in GONE:
+                worker.missed += 1
+                return f"{code.name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else code.name
+            worker.missed = 0
+            worker.late += 1
+            if worker.late == 1 and worker.healthy:
+                logger.warning("%s worker %s is slow to answer Stats (%s); busy, not dead: it stays",
+                               worker.role, worker.address, code.name)
+            return None
         if worker.removed:
-            return False
-        worker.stats, worker.missed = stats, 0
+            return None
+        worker.stats, worker.missed, worker.late = stats, 0, 0
         if not worker.healthy:
             worker.healthy = True
             logger.info("%s worker %s is healthy (model %s, max_model_len %d)", worker.role, worker.address,
                         stats.model, stats.max_model_len)
             self._changed.set()
-        return True
+        return None
 
     async def probe(self, address: str) -> bool:
-        """Check a worker a request found broken now; remove it at once if it does not answer."""
+        """Check a worker a request found broken; remove it at once if it is gone (a slow
+        answer keeps it). True while it stays registered."""
         worker = self._workers.get(address)
         if worker is None:
             return False
-        if await self.poll(worker):
-            return True
-        if worker.healthy:
-            await self.remove(address, "did not answer a probe after a failed request")
-        return False
+        gone = await self._stats(worker)
+        if gone and worker.healthy and not worker.removed:
+            await self.remove(address, f"gone after a failed request ({gone})")
+            return False
+        return not worker.removed
 
     async def wait_healthy(self, role: str, count: int = 1, timeout_s: float = 30.0) -> None:
         """Until ``count`` workers of ``role`` are healthy (tests and startup scripts)."""

@@ -12,8 +12,12 @@ MAX_MESSAGE_BYTES = 64 << 20
 
 async def start_server(host: str, port: int, register: Sequence[Callable[[grpc.aio.Server], None]],
                        service_names: Sequence[str]) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    # Clients (the router) send HTTP/2 keepalive pings every 10 s to tell a frozen or vanished
+    # worker from a busy one; answer them instead of closing the connection for "too many pings".
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.keepalive_permit_without_calls", 1),
+                                      ("grpc.http2.min_ping_interval_without_data_ms", 5_000)])
     for add in register:
         add(server)
     health_servicer = health.aio.HealthServicer()

@@ -2,6 +2,10 @@
 
 gRPC handlers (on the asyncio thread) never touch engine state: they ``call`` a function on
 this thread, which runs it between steps. Stoppable; ``stop`` joins the thread.
+
+Liveness is not load: after every step and command batch the thread publishes ``stats()`` as an
+immutable snapshot, and ``Stats``/health read that snapshot without waiting on the thread, so a
+10 s prefill step never makes a busy worker look dead (docs/architecture.md, Liveness).
 """
 from __future__ import annotations
 
@@ -37,9 +41,27 @@ class EngineLoop(abc.ABC):
         self._log_interval_s = log_interval_s
         self._next_log = time.monotonic() + log_interval_s
         self.error: BaseException | None = None
+        self._snapshot: dict[str, Any] = {}
+        self._snapshot_at = 0.0
 
     def start(self) -> None:
+        self._publish()   # the thread is not running yet: safe to read engine state here
         self._thread.start()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The last ``stats()`` the engine thread published (any thread; never waits on a step).
+        RuntimeError once the engine thread is gone: a dead engine is not a busy one."""
+        if not self.alive:
+            raise RuntimeError(f"the engine thread is not running ({self.error!r})")
+        return self._snapshot
+
+    @property
+    def snapshot_age_s(self) -> float:
+        return time.monotonic() - self._snapshot_at
+
+    def _publish(self) -> None:
+        # One reference assignment: readers on other threads see the old dict or the new one.
+        self._snapshot, self._snapshot_at = self.stats(), time.monotonic()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping.set()
@@ -84,6 +106,7 @@ class EngineLoop(abc.ABC):
                         break
                     fn()
                 busy = self.run_once()
+                self._publish()
                 now = time.monotonic()
                 if now >= self._next_log:
                     self.log_stats(now)
@@ -102,6 +125,10 @@ class EngineLoop(abc.ABC):
 
     def idle_wait_s(self) -> float:
         return 0.05
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """Load and capacity as the Stats RPC reports them (engine thread; cheap: every step)."""
 
     def log_stats(self, now: float) -> None:
         """Called every ``log_interval_s`` on the engine thread."""

@@ -171,28 +171,58 @@ def test_a_request_whose_only_decode_worker_died_waits_for_its_replacement(loop_
 
 
 def test_a_probe_whose_channel_is_closed_by_a_concurrent_removal_is_a_miss_not_a_cancellation(loop_thread):
-    """Many requests break at once and probe the same worker; the first failed probe removes it
-    and closes its channel under the other probes' calls. Those must read as misses: a
-    CancelledError escaping here used to end their HTTP streams mid-response."""
+    """Many requests break at once and probe the same worker; the first probe that finds it gone
+    removes it and closes its channel under the other probes' calls. Those must read as misses:
+    a CancelledError escaping here used to end their HTTP streams mid-response."""
     from router.registry import WorkerRegistry
 
     async def main():
-        hung = await FakeWorker("decode").start()
-        registry = WorkerRegistry(heartbeat_timeout_s=0.5, max_missed=1)
+        dying = await FakeWorker("decode").start()
+        registry = WorkerRegistry(heartbeat_timeout_s=5.0, max_missed=1)
         try:
-            registry.add("decode", hung.address)
-            assert await registry.poll(registry.get(hung.address))          # healthy
-            hung.servicer.stats_delay_s = 30.0
-            first = asyncio.ensure_future(registry.probe(hung.address))
+            registry.add("decode", dying.address)
+            assert await registry.poll(registry.get(dying.address))          # healthy
+            dying.servicer.stats_delay_s, dying.servicer.stats_gone = 0.6, True
+            first = asyncio.ensure_future(registry.probe(dying.address))
             await asyncio.sleep(0.2)
-            second = asyncio.ensure_future(registry.probe(hung.address))  # in flight when `first` removes
-            return await asyncio.gather(first, second, return_exceptions=True), registry.get(hung.address)
+            second = asyncio.ensure_future(registry.probe(dying.address))  # in flight when `first` removes
+            return await asyncio.gather(first, second, return_exceptions=True), registry.get(dying.address)
         finally:
             await registry.stop()
-            await hung.stop(0)
+            await dying.stop(0)
     (first, second), left = loop_thread.run(main())
     assert first is False and second is False, (first, second)
     assert left is None
+
+
+def test_a_worker_slower_than_the_heartbeat_timeout_is_busy_not_dead(loop_thread):
+    """Liveness is not load: Stats answers that come late, poll after poll and on probes after
+    failed requests, never remove a worker; only an answer saying it is gone does."""
+    from router.registry import WorkerRegistry
+
+    async def main():
+        slow = await FakeWorker("decode").start()
+        registry = WorkerRegistry(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.1, max_missed=1)
+        removed = []
+        registry.on_removed(removed.append)
+        registry.start()
+        try:
+            registry.add("decode", slow.address)
+            await registry.wait_healthy("decode", 1, 10)
+            slow.servicer.stats_delay_s = 0.5                  # 5x the timeout, 10 intervals
+            await asyncio.sleep(1.5)
+            kept = [await registry.probe(slow.address) for _ in range(3)]
+            still = [w.address for w in registry.healthy("decode")]
+            slow.servicer.stats_delay_s, slow.servicer.stats_gone = 0.0, True
+            await until(lambda: registry.get(slow.address) is None)
+            return kept, still, removed
+        finally:
+            await registry.stop()
+            await slow.stop(0)
+    kept, still, removed = loop_thread.run(main())
+    assert kept == [True, True, True]
+    assert len(still) == 1
+    assert [w.address for w in removed] == still
 
 
 def test_router_stop_ends_every_task_it_started(loop_thread, tokenizer):

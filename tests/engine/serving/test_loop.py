@@ -3,6 +3,7 @@ shutdown are visible."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -23,8 +24,27 @@ class CountingLoop(EngineLoop):
             raise RuntimeError("boom")
         return self.steps < 5
 
+    def stats(self) -> dict:
+        return {"steps": self.steps}
+
     def on_crash(self, exc: BaseException) -> None:
         self.crashed = exc
+
+
+class BlockingLoop(CountingLoop):
+    """A step that holds the engine thread until released (a long prefill)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_step = threading.Event()
+        self.release = threading.Event()
+
+    def run_once(self) -> bool:
+        self.steps += 1
+        if self.steps == 2:
+            self.in_step.set()
+            self.release.wait(30)
+        return True
 
 
 def test_commands_run_on_the_engine_thread_and_results_reach_asyncio():
@@ -55,3 +75,23 @@ def test_a_crash_is_recorded_and_later_calls_fail_clearly():
         with pytest.raises(RuntimeError, match="engine thread is not running"):
             await loop.run(lambda: 1)
     asyncio.run(main())
+
+
+def test_stats_snapshot_is_answered_while_a_step_holds_the_engine_thread():
+    loop = BlockingLoop()
+    assert loop.stats() == {"steps": 0}
+    loop.start()
+    try:
+        assert loop.in_step.wait(10)
+        time.sleep(0.2)
+        started = time.monotonic()
+        snap = loop.snapshot()                     # must not wait for the step to end
+        assert time.monotonic() - started < 0.05
+        assert snap == {"steps": 1}                # published after step 1, before step 2 began
+        assert loop.snapshot_age_s >= 0.2
+        assert loop.alive
+    finally:
+        loop.release.set()
+        loop.stop()
+    with pytest.raises(RuntimeError, match="engine thread is not running"):
+        loop.snapshot()
