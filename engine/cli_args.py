@@ -15,7 +15,7 @@ _ALIASES = {"max_num_seqs": ["--max-running-requests"],
             "gpu_memory_utilization": ["--mem-fraction-static"]}
 _HELP = {
     "model": "built-in model name, HF model directory or .gguf file",
-    "dtype": "weights/activations dtype (auto: float32 on CPU, bfloat16 on CUDA)",
+    "dtype": "weights/activations dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/amx_bf16), float32 on other CPUs)",
     "device": "cpu, cuda or auto",
     "max_model_len": "longest prompt + output accepted (default: the model's context length)",
     "attention_backend": "torch, triton or auto (triton on CUDA)",

@@ -19,7 +19,7 @@ class ModelConfig:
     """Which weights to load and how to run them."""
 
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"          # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"          # auto = bfloat16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else float32
     device: str = "auto"         # auto = cuda when available, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     attention_backend: str = "auto"   # auto = triton on CUDA, torch on CPU

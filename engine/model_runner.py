@@ -26,7 +26,7 @@ from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVLayout, KVPool, capacity_lines
 from engine.loader import Checkpoint, resolve_model
 from engine.models.arch import ArchConfig
-from engine.models.layers import RotaryEmbedding, TensorParallel
+from engine.models.layers import RotaryEmbedding, TensorParallel, can_pack_linear
 from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM, check_tensor_parallel
 from engine.scheduler import ScheduledBatch
 
@@ -76,9 +76,22 @@ def pick_device(config: ModelConfig, tp_rank: int = 0) -> torch.device:
     return torch.device("cuda", tp_rank % torch.cuda.device_count())
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def pick_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
+    """``auto``: bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
     if config.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda" or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
     return _DTYPES[config.dtype]
 
 
@@ -176,6 +189,8 @@ class ModelRunner:
         with torch.device("meta"):
             model = cls(self.arch, backend, rotary, tp)
         model.load_weights(checkpoint.weights(), self.dtype, self.device)
+        if can_pack_linear(self.device, self.dtype):
+            model.pack_for_cpu()
         return model.eval()
 
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:

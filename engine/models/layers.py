@@ -37,13 +37,60 @@ class TensorParallel:
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; ``residual`` fuses the residual add that precedes every norm in a decoder layer.
+
+    The weight is kept in float32 and the statistics computed in float32 whatever the model
+    dtype; the output is rounded once to the input's dtype. The residual stream itself stays in
+    float32 for half-precision models (``residual + x`` promotes): rounding it to bf16 at every
+    layer is enough to flip SmolLM2's near-tied first answer token ("The" vs "L").
+    """
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        dtype = x.dtype
+        if residual is not None:
+            x = residual + x
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).to(dtype), x
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(dtype)
+
+
+class PackedLinear(nn.Module):
+    """A bias-optional linear layer whose weight oneDNN reordered once, at load, into its blocked
+    layout (what inductor's freezing does for CPU linears): no per-call weight reorder, and
+    GEMV/GEMM kernels that stream the weight at close to memory bandwidth. CPU only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+        self.bias = None if bias is None else bias.detach()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> PackedLinear:
+        return cls(linear.weight, linear.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+def pack_linears(module: nn.Module) -> int:
+    """Replace every ``nn.Linear`` under ``module`` by a ``PackedLinear``; returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear.from_linear(child))
+            count += 1
+        else:
+            count += pack_linears(child)
+    return count
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -66,10 +113,12 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding:
-    """Rotate-half (NeoX/HF) rotary embedding with a precomputed float32 cos/sin table.
+    """Rotate-half (NeoX/HF) rotary embedding with precomputed float32 tables.
 
-    A plain object, not a module: the table is built on ``device`` directly, so models can be
-    constructed on the meta device and still get a real table.
+    A plain object, not a module: the tables are built on ``device`` directly, so models can be
+    constructed on the meta device and still get real tables. They are stored full width
+    (``cos`` repeated, ``sin`` with the first half negated) so one rotation is a multiply and a
+    fused multiply-add: ``x * cos + rotate_half(x) * sin``.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float,
@@ -79,18 +128,21 @@ class RotaryEmbedding:
         if freq_factors is not None:
             inv_freq = inv_freq / freq_factors.double()
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64, device="cpu"), inv_freq)
-        self.cos = angles.cos().float().to(device)
-        self.sin = angles.sin().float().to(device)
+        cos, sin = angles.cos(), angles.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).float().to(device)
+        self.sin = torch.cat((-sin, sin), dim=-1).float().to(device)
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[num_tokens, 1, head_dim / 2]``, looked up once per forward."""
+        """cos and signed sin ``[num_tokens, 1, head_dim]``, looked up once per forward."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``[num_tokens, num_heads, head_dim]`` by the positions' angles (float32 math)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    xf = x.float()
+    half = x.shape[-1] // 2
+    swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)   # rotate_half, sign is in `sin`
+    return torch.addcmul(xf * cos, swapped, sin).to(x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -105,4 +157,4 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.tp.reduce(self.down_proj(F.silu(gate) * up))
+        return self.tp.reduce(self.down_proj(F.silu(gate).mul_(up)))

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, TensorParallel, apply_rotary
+from engine.models.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, TensorParallel, apply_rotary, pack_linears
 
 # HF parameter name suffix -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -75,13 +75,18 @@ class Attention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.shard_sizes(), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # q and k heads side by side in one rotation: [T, H + Hkv, D]
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                          self.head_dim)
+            q, k = apply_rotary(qk, *rope).split((self.num_heads, self.num_kv_heads), dim=1)
+        else:
+            q, k, _ = qkv.split(self.shard_sizes(), dim=-1)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_prefill = meta.num_prefill_tokens
@@ -112,9 +117,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
 
-    def forward(self, rope, x, kv_cache, meta) -> torch.Tensor:
-        x = x + self.self_attn(rope, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, rope, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` is the previous layer's MLP output not yet added to ``residual`` (None for the
+        first layer): each residual add is fused into the norm that follows it."""
+        if residual is None:
+            residual, h = x.float(), self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -131,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head: PackedLinear | None = None   # set by pack_for_cpu
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -142,16 +154,47 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions)
+        residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(rope, x, kv_cache, meta)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        return self.norm(x, residual)[0]
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in float32 whatever the model dtype: bf16 logits flip near-tied greedy picks."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        """Logits in float32 whatever the model dtype: bf16 logits flip near-tied greedy picks.
+
+        A half-precision GEMM rounds its output to the model dtype, so the tokens that could be
+        the largest logit (within two roundings of the row's max) are recomputed exactly in
+        float32 from the same bf16 hidden state and weights: greedy picks are those of float32
+        logits, at the cost of a few dot products.
+        """
+        weight = self.head_weight
+        if self.packed_head is not None:
+            logits = self.packed_head(hidden).float()
+        else:
+            logits = torch.nn.functional.linear(hidden, weight).float()
+        if hidden.dtype == torch.float32 or hidden.shape[0] == 0:
+            return logits
+        top = logits.amax(dim=-1, keepdim=True)
+        # One rounding is at most 2^-8 relative (bf16; 2^-11 for fp16); two of them apart:
+        near = logits >= top - top.abs() * 2.0 ** -7 - 1e-6
+        rows, cols = near.nonzero(as_tuple=True)
+        logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(-1)
+        return logits
+
+    def pack_for_cpu(self) -> int:
+        """Pre-pack every linear layer (and the lm_head) for oneDNN; returns how many."""
+        count = pack_linears(self.layers)
+        if self.lm_head is not None:
+            self.packed_head = PackedLinear.from_linear(self.lm_head)
+        else:
+            self.packed_head = PackedLinear(self.embed_tokens.weight, None)
+        return count + 1
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                      device: torch.device) -> None:
@@ -190,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
                                  f"expected {tuple(param.shape)}")
             module_name, _, param_name = target.rpartition(".")
             module = self.get_submodule(module_name)
-            module._parameters[param_name] = nn.Parameter(value.to(device=device, dtype=dtype),
+            # Norm weights stay float32 (RMSNorm computes in float32 whatever the model dtype).
+            param_dtype = torch.float32 if isinstance(module, RMSNorm) else dtype
+            module._parameters[param_name] = nn.Parameter(value.to(device=device, dtype=param_dtype),
                                                           requires_grad=False)
 
     def _shard_ids(self, param_name: str) -> list[int | None]:
