@@ -1,10 +1,17 @@
-"""Engine throughput on this machine next to the memory-bandwidth roofline (a script, not a test).
+"""Engine step speed on this machine (a script, not a test): decode ms per step and prefill tok/s.
 
-Prints decode tokens/s at several batch sizes and prefill tokens/s, for float32 and bfloat16,
-beside the roofline: a decode step must read every weight once, so at batch B the ceiling is
-B x (measured copy bandwidth / weight bytes). Usage:
+For each dtype and each thread count it prints the ms of one decode step at batch 1, 16 and 64
+with 256- and 1024-token contexts, prefill tokens/s (4 fresh prompts x 512 tokens), and the
+memory-bandwidth floor of a decode step (every weight read once: weight bytes / measured copy
+bandwidth). ``--profile`` adds a per-op table (torch.profiler) of the batch-16, 256-token step.
+Usage:
 
-    python benchmarks/engine.py [--model NAME|PATH] [--batches 1,8,32,64] [--dtypes float32,bfloat16]
+    python benchmarks/engine.py [--dtypes bfloat16,float32] [--threads 1,2] [--batches 1,16,64]
+                                [--contexts 256,1024] [--profile] [--json]
+
+Decode contexts are built once per (dtype, context): the largest batch is prefilled, measured,
+then aborted down to each smaller batch. Thread counts are switched in the same process
+(``torch.set_num_threads``; the CPU attention kernels follow it). Run it on a quiet machine.
 """
 from __future__ import annotations
 
@@ -39,29 +46,73 @@ def copy_bandwidth_gbps(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 
 
 def weight_nbytes(engine: LLMEngine) -> int:
-    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    """Bytes a decode step must stream: every linear layer and the lm_head (embedding rows are
+    only looked up, so a tied embedding counts once, as the head)."""
+    from engine.models.layers import PackedLinear
+    model = engine.runner.model
+    item = engine.runner.dtype.itemsize
+    linear = sum(m.out_features * m.in_features for m in model.modules()
+                 if isinstance(m, (torch.nn.Linear, PackedLinear)))
+    tied_unpacked = model.lm_head is None and model.packed_head is None
+    return (linear + (model.head_weight.numel() if tied_unpacked else 0)) * item
+
+
+def engine_kv_bytes_per_token(model: str, dtype: str) -> int:
+    from engine.loader import Checkpoint, resolve_model
+    arch = Checkpoint(resolve_model(model)).arch
+    return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * (2 if dtype in ("bfloat16", "float16") else 4)
 
 
 def _prompts(rng: random.Random, vocab: int, batch: int, length: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(batch)]
 
 
-def bench_decode(engine: LLMEngine, batch: int, prompt_len: int, steps: int, rng: random.Random) -> float:
-    params = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
-    ids = [f"d{batch}-{i}" for i in range(batch)]
-    for request_id, prompt in zip(ids, _prompts(rng, engine.runner.arch.vocab_size, batch, prompt_len)):
+def _time_steps(engine: LLMEngine, steps: int) -> float:
+    """Median ms of ``steps`` decode steps (after one warm-up step)."""
+    engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def bench_decode(engine: LLMEngine, batches: list[int], threads: list[int], context: int, steps: int,
+                 rng: random.Random, profile: bool) -> tuple[list[dict], str | None]:
+    batches = sorted(batches, reverse=True)
+    params = SamplingParams(temperature=0, max_tokens=len(threads) * len(batches) * (steps + 2) + 8,
+                            ignore_eos=True)
+    ids = [f"ctx{context}-{i}" for i in range(batches[0])]
+    for request_id, prompt in zip(ids, _prompts(rng, engine.runner.arch.vocab_size, batches[0], context)):
         engine.add_request(request_id, prompt, params)
-    # Prefill (and one decode step to warm up) before timing pure decode steps.
     while any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
-    engine.step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    elapsed = time.perf_counter() - t0
+    rows, table = [], None
+    for batch in batches:
+        for request_id in ids[batch:]:
+            engine.abort_request(request_id)
+        ids = ids[:batch]
+        for n in threads:
+            torch.set_num_threads(n)
+            ms = _time_steps(engine, steps)
+            rows.append({"batch": batch, "context": context, "threads": n, "step_ms": ms,
+                         "tok_per_s": batch * 1e3 / ms})
+            print(f"  decode batch {batch:>3} context {context:>5} threads {n}: {ms:7.1f} ms/step "
+                  f"({batch * 1e3 / ms:7.1f} tok/s)", flush=True)
+            if profile and batch == 16 and n == max(threads) and table is None:
+                table = profile_steps(engine, steps)
     for request_id in ids:
         engine.abort_request(request_id)
-    return batch * steps / elapsed
+    return rows, table
+
+
+def profile_steps(engine: LLMEngine, steps: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
 
 
 def bench_prefill(engine: LLMEngine, batch: int, prompt_len: int, rng: random.Random) -> float:
@@ -75,39 +126,51 @@ def bench_prefill(engine: LLMEngine, batch: int, prompt_len: int, rng: random.Ra
     return batch * prompt_len / (time.perf_counter() - t0)
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--batches", default="1,8,32,64")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--threads", default="1,2", help="torch threads, comma-separated")
+    parser.add_argument("--batches", default="1,16,64")
+    parser.add_argument("--contexts", default="256,1024", help="tokens in each sequence's context")
+    parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--chunked-prefill-size", type=int, default=2048)
+    parser.add_argument("--profile", action="store_true", help="per-op table of the batch-16 step")
     parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
     args = parser.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches, threads, contexts = _ints(args.batches), _ints(args.threads), _ints(args.contexts)
     bandwidth = copy_bandwidth_gbps()
-    print(f"threads: {torch.get_num_threads()}  copy bandwidth (read+write): {bandwidth:.1f} GB/s")
-    results = {"copy_gbps": bandwidth, "runs": []}
+    print(f"copy bandwidth (read+write): {bandwidth:.1f} GB/s")
+    results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}}
     for dtype in args.dtypes.split(","):
-        engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device="cpu"),
-                           CacheConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False),
-                           SchedulerConfig(max_num_seqs=max(batches), chunked_prefill_size=2048))
+        torch.set_num_threads(max(threads))
+        max_len = max(contexts) + len(threads) * len(batches) * (args.decode_steps + 2) + 16
+        engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device="cpu", max_model_len=max_len),
+                           CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32) * engine_kv_bytes_per_token(args.model, dtype),
+                                       enable_prefix_caching=False, shared_memory=False),
+                           SchedulerConfig(max_num_seqs=max(batches), chunked_prefill_size=args.chunked_prefill_size))
         nbytes = weight_nbytes(engine)
         rng = random.Random(0)
-        step_floor_s = nbytes / (bandwidth * 1e9)
-        print(f"\n{args.model} {dtype}: weights {nbytes / 1e6:.0f} MB -> roofline "
-              f"{1 / step_floor_s:.1f} decode steps/s")
-        print(f"{'batch':>6} {'decode tok/s':>13} {'roofline tok/s':>15} {'ratio':>6}")
-        for batch in batches:
-            tps = bench_decode(engine, batch, args.prompt_len, args.decode_steps, rng)
-            roof = batch / step_floor_s
-            print(f"{batch:>6} {tps:>13.1f} {roof:>15.1f} {tps / roof:>6.2f}")
-            results["runs"].append({"dtype": dtype, "batch": batch, "decode_tps": tps,
-                                    "roofline_tps": roof, "ratio": tps / roof})
-        prefill = bench_prefill(engine, 4, args.prefill_len, rng)
-        print(f"prefill: {prefill:.1f} tok/s (4 prompts x {args.prefill_len} tokens)")
-        results["runs"].append({"dtype": dtype, "prefill_tps": prefill})
+        print(f"\n{args.model} {dtype} (attention: {engine.runner.model.layers[0].self_attn.backend.__name__}): "
+              f"weights streamed per step {nbytes / 1e6:.0f} MB -> decode floor "
+              f"{nbytes / (bandwidth * 1e9) * 1e3:.1f} ms/step", flush=True)
+        for n in threads:
+            torch.set_num_threads(n)
+            tps = bench_prefill(engine, 4, args.prefill_len, rng)
+            print(f"  prefill 4 x {args.prefill_len} threads {n}: {tps:7.1f} tok/s", flush=True)
+            results["prefill"].append({"dtype": dtype, "threads": n, "tok_per_s": tps})
+        for context in contexts:
+            rows, table = bench_decode(engine, batches, threads, context, args.decode_steps, rng,
+                                       args.profile and context == min(contexts))
+            results["decode"] += [{"dtype": dtype, **row} for row in rows]
+            if table is not None:
+                print(f"\nper-op profile, {dtype}, batch 16, context {context}, {max(threads)} threads:\n{table}")
+                results["profiles"][dtype] = table
         engine.close()
     if args.json:
         print(json.dumps(results))
