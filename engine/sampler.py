@@ -173,16 +173,16 @@ class Sampler:
 
         if (all(p.greedy for p in params) and not wants_logprobs
                 and not any(_has_penalties(p) for p in params)):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return SamplerOutput(_argmax(logits).tolist(), None, None)
 
         penalized = apply_penalties(logits, requests)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not random_rows:
-            token_ids = penalized.argmax(dim=-1)
+            token_ids = _argmax(penalized)
         elif len(random_rows) == len(requests):
             token_ids = self._sample(penalized, requests)
         else:
-            token_ids = penalized.argmax(dim=-1)
+            token_ids = _argmax(penalized)
             rows = torch.tensor(random_rows, dtype=torch.long).to(logits.device, non_blocking=True)
             token_ids[rows] = self._sample(penalized[rows], [requests[i] for i in random_rows])
 
@@ -225,7 +225,7 @@ class Sampler:
                 noise[i].exponential_(generator=request.generator)
         # exponential_ may return 0; 0/0 would be NaN, which argmax would pick.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+        return _argmax(probs / noise)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
@@ -233,6 +233,14 @@ class Sampler:
             generator = make_generator(self._seed, device)
             self._shared_generators[device] = generator
         return generator
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (first index of the max, like torch). On CPU through NumPy, whose
+    SIMD argmax is ~20x faster than torch's over a [64, 49152] float32 batch of logits."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.detach().numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
 
 
 def _row_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

