@@ -18,7 +18,8 @@ _HELP = {
     "dtype": "weights/activations dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/amx_bf16), float32 on other CPUs)",
     "device": "cpu, cuda or auto",
     "max_model_len": "longest prompt + output accepted (default: the model's context length)",
-    "attention_backend": "torch, triton or auto (triton on CUDA)",
+    "attention_backend": "auto (triton on CUDA; on CPU: cpu, or torch when its C kernels cannot be "
+                         "compiled), cpu (C kernels over the paged cache, needs gcc), torch or triton",
     "block_size": "tokens per KV block",
     "kv_cache_memory": "bytes for the KV pool (CPU default 1 GiB)",
     "gpu_memory_utilization": "CUDA: fraction of device memory for weights + activations + KV",

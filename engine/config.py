@@ -22,7 +22,7 @@ class ModelConfig:
     dtype: str = "auto"          # auto = bfloat16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else float32
     device: str = "auto"         # auto = cuda when available, else cpu
     max_model_len: int | None = None  # None = the model's own context length
-    attention_backend: str = "auto"   # auto = triton on CUDA, torch on CPU
+    attention_backend: str = "auto"   # auto = triton on CUDA, cpu (C kernels; torch if they cannot build) on CPU
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -33,8 +33,8 @@ class ModelConfig:
             raise ValueError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend={self.attention_backend!r}: use auto, torch or triton")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend={self.attention_backend!r}: use auto, cpu, torch or triton")
 
 
 @dataclass(frozen=True)

@@ -98,12 +98,23 @@ def pick_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
 def attention_backend(config: ModelConfig, device: torch.device) -> ModuleType:
     name = config.attention_backend
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu"
     if name == "triton":
         if device.type != "cuda":
-            raise ValueError("attention_backend='triton' needs a CUDA device; use 'torch' on CPU")
+            raise ValueError("attention_backend='triton' needs a CUDA device; use 'cpu' or 'torch' on CPU")
         from engine.attention import triton_backend
         return triton_backend
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention_backend='cpu' needs --device cpu; use 'triton' or 'torch' on CUDA")
+        from engine.attention import cpu_backend
+        try:
+            cpu_backend.load_kernels()  # compiles on first use; KernelBuildError if it cannot
+            return cpu_backend
+        except cpu_backend.KernelBuildError as e:
+            if config.attention_backend == "cpu":
+                raise
+            logger.warning("CPU attention kernels unavailable, using the slower torch backend: %s", e)
     from engine.attention import torch_backend
     return torch_backend
 

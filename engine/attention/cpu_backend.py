@@ -1,0 +1,147 @@
+"""Paged attention on the CPU with C kernels that read K/V where they lie in the paged pool.
+
+Runs inside a worker's engine thread. The functions take the same arguments and keep the same
+cache layout as ``engine.attention.torch_backend``: caches are per layer ``[num_blocks,
+block_size, num_kv_heads, head_dim]`` and a sequence's token at position p lives in block
+``block_table[p // block_size]`` at offset ``p % block_size``. The torch path gathers (copies)
+every context out of the pool per layer before SDPA; these kernels walk the block table instead,
+one (sequence, kv head) per OpenMP work item, with an online softmax in float32.
+
+Queries and caches may be float32 or bfloat16; other dtypes take the torch path. Kernels use
+``torch.get_num_threads()`` threads, and results do not depend on the thread count. Prefill
+uses the C kernel for every shape too: measured against torch's SDPA (which needs the gathered
+copy) it was 1.8-3.8x faster on every case tried, 16-token chunks over a prefix up to one
+4096-token fresh prompt (``python -m benchmarks.attention_cpu --long``).
+
+``python -m engine.attention.cpu_backend --build`` compiles the kernels ahead of time.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from engine.attention import cpu_kernels, torch_backend
+from engine.attention.cpu_kernels import KernelBuildError
+
+__all__ = ["KernelBuildError", "decode_attention", "load_kernels", "prefill_attention", "write_kv"]
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+# index_copy_ into the pool is a plain scatter of a few rows: nothing to gain in C.
+write_kv = torch_backend.write_kv
+
+
+def load_kernels() -> ctypes.CDLL:
+    """The compiled kernels; raises :class:`KernelBuildError` when they cannot be built here."""
+    return cpu_kernels.load()
+
+
+def _supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (query.dtype in _DTYPE_CODES and k_cache.dtype in _DTYPE_CODES
+            and v_cache.dtype == k_cache.dtype and query.device.type == "cpu")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a contiguous last dimension, which is all the kernels need."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _int32(values: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(values, dtype=torch.int32, device="cpu").contiguous()
+
+
+def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_tables: torch.Tensor, num_seqs: int, num_query_rows: int) -> None:
+    """What the kernels trust: the C code indexes raw pointers with these sizes."""
+    if v_cache.shape != k_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both "
+                         "be [num_blocks, block_size, num_kv_heads, head_dim]")
+    if query.dim() != 3 or query.shape[2] != k_cache.shape[3] or query.shape[0] != num_query_rows:
+        raise ValueError(f"query {tuple(query.shape)} must be [{num_query_rows}, num_heads, "
+                         f"{k_cache.shape[3]}]")
+    if block_tables.dim() != 2 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"block_tables {tuple(block_tables.shape)} needs a row per sequence ({num_seqs})")
+
+
+def _run(fn, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+         block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None,
+         scale: float) -> torch.Tensor:
+    """Call one kernel; ``query_start_loc`` is None for decode (one query row per sequence)."""
+    num_seqs = seq_lens.shape[0]
+    num_rows = num_seqs if query_start_loc is None else int(query_start_loc[-1])
+    _check_shapes(query, k_cache, v_cache, block_tables, num_seqs, num_rows)
+    query, k_cache, v_cache = _rows(query), _rows(k_cache), _rows(v_cache)
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype)
+    ks, vs = k_cache.stride(), v_cache.stride()
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    kv = cpu_kernels.KVCache(k_cache.data_ptr(), v_cache.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1],
+                             vs[2], num_blocks, _DTYPE_CODES[k_cache.dtype], block_size, num_kv_heads,
+                             head_dim)
+    queries = cpu_kernels.Queries(query.data_ptr(), out.data_ptr(), query.stride(0), query.stride(1),
+                                  out.stride(0), out.stride(1), _DTYPE_CODES[query.dtype], query.shape[1])
+    seqs = cpu_kernels.Seqs(block_tables.data_ptr(), block_tables.stride(0), block_tables.shape[1],
+                            seq_lens.data_ptr(),
+                            None if query_start_loc is None else query_start_loc.data_ptr(), num_seqs)
+    status = fn(ctypes.byref(queries), ctypes.byref(kv), ctypes.byref(seqs), scale,
+                torch.get_num_threads())
+    if status != 0:
+        raise ValueError(f"paged attention kernel: {cpu_kernels.STATUS_MESSAGES.get(status, status)}")
+    return out
+
+
+def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_tables: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
+                      seq_lens: Sequence[int] | torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of prefill chunks over their cached prefix plus the chunk itself.
+
+    query: ``[num_prefill_tokens, num_heads, head_dim]``; the chunk's own K/V must already be in
+    the cache. Query i of a chunk of length L in a context of length S sits at position
+    S - L + i and sees keys 0..S-L+i.
+    """
+    if not _supported(query, k_cache, v_cache) or query.shape[0] == 0:
+        return torch_backend.prefill_attention(query, k_cache, v_cache, block_tables,
+                                               query_start_loc, seq_lens, scale)
+    return _run(load_kernels().tandem_paged_prefill, query, k_cache, v_cache, block_tables,
+                _int32(seq_lens), _int32(query_start_loc), scale)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                     scale: float) -> torch.Tensor:
+    """One query token per sequence over its whole cached context.
+
+    query: ``[num_seqs, num_heads, head_dim]``; seq_lens count the current token, whose K/V is
+    already cached. A sequence of length 0 (batch padding) yields zeros.
+    """
+    if not _supported(query, k_cache, v_cache):
+        return torch_backend.decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
+                                              max_seq_len, scale)
+    return _run(load_kernels().tandem_paged_decode, query, k_cache, v_cache, block_tables,
+                _int32(seq_lens), None, scale)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.attention.cpu_backend",
+                                     description="Build the CPU attention kernels ahead of time.")
+    parser.add_argument("--build", action="store_true", help="compile (or find cached) and load them")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    try:
+        load_kernels()
+    except KernelBuildError as e:
+        print(f"CPU attention kernels not built: {e}", file=sys.stderr)
+        return 1
+    print(f"CPU attention kernels ready: {cpu_kernels.library_path()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

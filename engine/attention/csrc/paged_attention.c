@@ -1,0 +1,626 @@
+/*
+ * Paged attention kernels for Tandem's CPU backend (engine/attention/cpu_backend.py).
+ *
+ * Loaded with ctypes into a worker process and called from its engine thread (ctypes drops
+ * the GIL for the call). K/V are read where they lie in the paged pool: a cache is
+ * [num_blocks, block_size, num_kv_heads, head_dim] with head_dim contiguous, and a sequence's
+ * token at position p lives in block block_table[p / block_size] at offset p % block_size.
+ * Query head h reads kv head h / (num_heads / num_kv_heads). Scores, softmax and accumulation
+ * are float32; outputs have the query's dtype. Only slots inside a sequence's context are read,
+ * so the rest of the pool may hold anything.
+ *
+ * Both kernels walk a sequence's context in tiles of KEY_TILE tokens with an online softmax:
+ * scores for the tile, then one rescale of the running sums, then the tile's values. Every
+ * output row is computed by one thread in a fixed order, so results do not depend on the
+ * number of threads. The hot loops have an AVX-512 version (head_dim a multiple of 16) and a
+ * portable one. Plain C with OpenMP and no torch headers: it builds in about a second.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define ABI_VERSION 1
+enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
+/* Return codes; engine/attention/cpu_kernels.py turns them into exceptions. */
+enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_SEQ_LEN = 3, ERR_BAD_BLOCK_ID = 4 };
+
+#define KEY_TILE 64       /* keys per tile; also the row stride of score and transposed-K tiles */
+#define PREFILL_ROWS 64   /* at most this many (query token, head) rows per prefill work item */
+#define LOG2E 1.4426950408889634f
+
+typedef struct {
+    const void *k, *v;
+    int64_t k_block_stride, k_slot_stride, k_head_stride; /* in elements */
+    int64_t v_block_stride, v_slot_stride, v_head_stride;
+    int64_t num_blocks;
+    int32_t dtype, block_size, num_kv_heads, head_dim;
+} kv_cache_t;
+
+typedef struct {
+    const void *q;
+    void *out;
+    int64_t q_token_stride, q_head_stride; /* in elements; head_dim is contiguous */
+    int64_t out_token_stride, out_head_stride;
+    int32_t dtype, num_heads;
+} queries_t;
+
+typedef struct {
+    const int32_t *block_tables; /* [num_seqs, >= max_blocks_per_seq], rows block_table_stride apart */
+    int64_t block_table_stride, max_blocks_per_seq;
+    const int32_t *seq_lens;        /* context length incl. the new tokens */
+    const int32_t *query_start_loc; /* prefill: [num_seqs + 1] offsets into the query rows */
+    int32_t num_seqs;
+} seqs_t;
+
+int tandem_abi_version(void) { return ABI_VERSION; }
+
+/* ------------------------------------------------------------------------ conversions */
+
+static inline float bf16_to_f32(uint16_t bits) {
+    uint32_t u = (uint32_t)bits << 16; /* bfloat16 is the high half of a float32 */
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest, ties to even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline void bf16_row_to_f32(float *restrict dst, const uint16_t *restrict src, int n) {
+    int i = 0;
+#if HAVE_AVX512
+    for (; i + 16 <= n; i += 16) {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i)));
+        _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* A row of a float32 or bfloat16 buffer as float32: a pointer into the buffer itself when it is
+ * float32, else the row converted into `scratch`. `row` is an offset in elements. */
+static inline const float *row_f32(const void *base, int32_t dtype, int64_t row, int n,
+                                   float *restrict scratch) {
+    if (dtype == DTYPE_FLOAT32) return (const float *)base + row;
+    bf16_row_to_f32(scratch, (const uint16_t *)base + row, n);
+    return scratch;
+}
+
+static inline void store_row(void *base, int32_t dtype, int64_t row, const float *restrict src,
+                             float factor, int n) {
+    if (dtype == DTYPE_FLOAT32) {
+        float *dst = (float *)base + row;
+        for (int i = 0; i < n; i++) dst[i] = src[i] * factor;
+    } else {
+        uint16_t *dst = (uint16_t *)base + row;
+        for (int i = 0; i < n; i++) dst[i] = f32_to_bf16(src[i] * factor);
+    }
+}
+
+/* ------------------------------------------------------------------------------ exp2 */
+
+/* 2^x for x <= 0 (softmax arguments), relative error ~2e-7: 2^n * 2^f with n = round(x),
+ * f in [-0.5, 0.5] and a degree-6 Taylor polynomial of e^(f ln 2). Branch-free so loops
+ * calling it vectorize; libm's exp2f would not without -ffast-math. */
+static inline float exp2_nonpositive(float x) {
+    x = x < -126.0f ? -126.0f : x;
+    float n = (x + 12582912.0f) - 12582912.0f; /* round to nearest via the 1.5 * 2^23 trick */
+    float f = (x - n) * 0.6931471805599453f;
+    float p = 1.0f + f * (1.0f + f * (0.5f + f * (1.0f / 6 + f * (1.0f / 24 + f * (1.0f / 120
+                  + f * (1.0f / 720))))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#if HAVE_AVX512
+static inline __m512 exp2_nonpositive_512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f)); /* also maps -inf to a finite argument */
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n); /* p * 2^n */
+}
+#endif
+
+/* Online softmax over one row's tile of log2-domain scores: turns scores[0..n) into weights
+ * relative to the new running max, zeroes scores[n..width) (keys this row may not see) and
+ * returns the factor that rescales the row's earlier sum and accumulator. */
+static float softmax_tile(float *restrict scores, int n, int width, float *running_max,
+                          float *running_sum) {
+    if (n <= 0) {
+        memset(scores, 0, sizeof(float) * width);
+        return 1.0f;
+    }
+    float tile_max = -INFINITY, sum = 0.0f;
+    int j = 0;
+#if HAVE_AVX512
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(scores + j));
+    tile_max = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; j < n; j++) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+    const float new_max = tile_max > *running_max ? tile_max : *running_max;
+    const float alpha = *running_max == -INFINITY ? 0.0f : exp2_nonpositive(*running_max - new_max);
+    j = 0;
+#if HAVE_AVX512
+    __m512 vsum = _mm512_setzero_ps();
+    const __m512 vnew_max = _mm512_set1_ps(new_max);
+    for (; j < n; j += 16) {
+        const __mmask16 live = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), vnew_max);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp2_nonpositive_512(x));
+        vsum = _mm512_add_ps(vsum, p);
+        _mm512_mask_storeu_ps(scores + j, live, p);
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#else
+    for (; j < n; j++) {
+        scores[j] = exp2_nonpositive(scores[j] - new_max);
+        sum += scores[j];
+    }
+#endif
+    for (j = n; j < width; j++) scores[j] = 0.0f;
+    *running_max = new_max;
+    *running_sum = *running_sum * alpha + sum;
+    return alpha;
+}
+
+/* ------------------------------------------------------------------------- tile products */
+
+#if HAVE_AVX512
+/* out[j] = the sum of v[j]'s 16 lanes, for 16 vectors: a transposing tree of adds instead of
+ * 16 separate horizontal sums. */
+static inline __m512 sum_lanes16(const __m512 *v) {
+    __m512 quads[4];
+    for (int g = 0; g < 4; g++) {
+        const __m512 *w = v + 4 * g;
+        /* pairs: [w0 w1 w0 w1] partial sums per 128-bit lane, then [w0 w1 w2 w3] */
+        const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(w[0], w[1]), _mm512_unpackhi_ps(w[0], w[1]));
+        const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(w[2], w[3]), _mm512_unpackhi_ps(w[2], w[3]));
+        quads[g] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+    }
+    /* each 128-bit lane of quads[g] holds that lane's sums of vectors 4g..4g+3: add the lanes */
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xdd));
+    const __m512 y = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                   _mm512_shuffle_f32x4(quads[2], quads[3], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xdd));
+}
+#endif
+
+/* scores[r * KEY_TILE + j] = q_r . k_j for `rows` query rows against n key rows (decode: few
+ * rows, so dots of whole rows beat transposing the tile). k must hold n rounded up to 16
+ * pointers; scores past n are garbage. */
+static void tile_dots(float *restrict scores, const float *restrict q, const float *const *k,
+                      int rows, int n, int d) {
+#if HAVE_AVX512
+    if (d % 16 == 0) {
+        for (int r = 0; r < rows; r++) {
+            const float *restrict qr = q + (int64_t)r * d;
+            for (int j0 = 0; j0 < n; j0 += 16) {
+                __m512 acc[16];
+                for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+                for (int i = 0; i < d; i += 16) {
+                    const __m512 qi = _mm512_loadu_ps(qr + i);
+                    for (int j = 0; j < 16; j++)
+                        acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(k[j0 + j] + i), acc[j]);
+                }
+                _mm512_storeu_ps(scores + r * KEY_TILE + j0, sum_lanes16(acc));
+            }
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) {
+        const float *restrict kj = k[j];
+        for (int r = 0; r < rows; r++) {
+            const float *restrict qr = q + (int64_t)r * d;
+            float s = 0.0f;
+            for (int i = 0; i < d; i++) s += qr[i] * kj[i];
+            scores[r * KEY_TILE + j] = s;
+        }
+    }
+}
+
+/* scores[r * KEY_TILE + j] = q_r . k_j for all KEY_TILE columns of a transposed K tile
+ * (kt[i * KEY_TILE + j] is element i of key j): prefill's many rows share each loaded column. */
+static void tile_scores_transposed(float *restrict scores, const float *restrict q,
+                                   const float *restrict kt, int rows, int d) {
+    int r = 0;
+#if HAVE_AVX512
+    for (; r + 4 <= rows; r += 4) { /* 4 rows x 64 keys = 16 accumulators */
+        __m512 acc[4][4];
+        for (int a = 0; a < 4; a++)
+            for (int c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
+        for (int i = 0; i < d; i++) {
+            const float *col = kt + (int64_t)i * KEY_TILE;
+            const __m512 k0 = _mm512_loadu_ps(col), k1 = _mm512_loadu_ps(col + 16);
+            const __m512 k2 = _mm512_loadu_ps(col + 32), k3 = _mm512_loadu_ps(col + 48);
+            for (int a = 0; a < 4; a++) {
+                const __m512 qa = _mm512_set1_ps(q[(int64_t)(r + a) * d + i]);
+                acc[a][0] = _mm512_fmadd_ps(qa, k0, acc[a][0]);
+                acc[a][1] = _mm512_fmadd_ps(qa, k1, acc[a][1]);
+                acc[a][2] = _mm512_fmadd_ps(qa, k2, acc[a][2]);
+                acc[a][3] = _mm512_fmadd_ps(qa, k3, acc[a][3]);
+            }
+        }
+        for (int a = 0; a < 4; a++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(scores + (r + a) * KEY_TILE + 16 * c, acc[a][c]);
+    }
+#endif
+    for (; r < rows; r++) {
+        float s[KEY_TILE] = {0};
+        const float *restrict qr = q + (int64_t)r * d;
+        for (int i = 0; i < d; i++) {
+            const float *restrict col = kt + (int64_t)i * KEY_TILE;
+            for (int j = 0; j < KEY_TILE; j++) s[j] += qr[i] * col[j];
+        }
+        memcpy(scores + r * KEY_TILE, s, sizeof s);
+    }
+}
+
+#if HAVE_AVX512
+/* tile_values for rows [r, r + R) and columns [c0, c0 + 16 * C), R and C at most 4: the R x C
+ * accumulators stay in registers while each value row is loaded once for all R rows. Always
+ * inlined with constant R and C, so the loops unroll completely. */
+static inline __attribute__((always_inline)) void values_block(
+        float *restrict acc, const float *restrict alpha, const float *restrict p,
+        const float *const *v, int n, int d, int r, int c0, const int R, const int C) {
+    __m512 o[4][4], vj[4];
+    for (int a = 0; a < R; a++)
+        for (int c = 0; c < C; c++)
+            o[a][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r + a]),
+                                    _mm512_loadu_ps(acc + (int64_t)(r + a) * d + c0 + 16 * c));
+    for (int j = 0; j < n; j++) {
+        for (int c = 0; c < C; c++) vj[c] = _mm512_loadu_ps(v[j] + c0 + 16 * c);
+        for (int a = 0; a < R; a++) {
+            const __m512 pa = _mm512_set1_ps(p[(r + a) * KEY_TILE + j]);
+            for (int c = 0; c < C; c++) o[a][c] = _mm512_fmadd_ps(pa, vj[c], o[a][c]);
+        }
+    }
+    for (int a = 0; a < R; a++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + (int64_t)(r + a) * d + c0 + 16 * c, o[a][c]);
+}
+
+/* values_block over all columns for rows [r, r + rows), rows at most 4: the switch turns the
+ * run-time row count into the constant values_block unrolls for. */
+static void values_rows(float *restrict acc, const float *restrict alpha, const float *restrict p,
+                        const float *const *v, int n, int d, int r, int rows) {
+    int c0 = 0;
+    for (; c0 + 64 <= d; c0 += 64) {
+        switch (rows) {
+        case 4: values_block(acc, alpha, p, v, n, d, r, c0, 4, 4); break;
+        case 3: values_block(acc, alpha, p, v, n, d, r, c0, 3, 4); break;
+        case 2: values_block(acc, alpha, p, v, n, d, r, c0, 2, 4); break;
+        default: values_block(acc, alpha, p, v, n, d, r, c0, 1, 4); break;
+        }
+    }
+    for (; c0 < d; c0 += 16) {
+        switch (rows) {
+        case 4: values_block(acc, alpha, p, v, n, d, r, c0, 4, 1); break;
+        case 3: values_block(acc, alpha, p, v, n, d, r, c0, 3, 1); break;
+        case 2: values_block(acc, alpha, p, v, n, d, r, c0, 2, 1); break;
+        default: values_block(acc, alpha, p, v, n, d, r, c0, 1, 1); break;
+        }
+    }
+}
+#endif
+
+/* acc_r = acc_r * alpha_r + sum_j p[r * KEY_TILE + j] * v_j for `rows` rows and n value rows. */
+static void tile_values(float *restrict acc, const float *restrict alpha, const float *restrict p,
+                        const float *const *v, int rows, int n, int d) {
+#if HAVE_AVX512
+    if (d % 16 == 0) {
+        for (int r = 0; r < rows; r += 4) values_rows(acc, alpha, p, v, n, d, r, rows - r < 4 ? rows - r : 4);
+        return;
+    }
+#endif
+    for (int r = 0; r < rows; r++) {
+        float *restrict ar = acc + (int64_t)r * d;
+        const float *restrict pr = p + r * KEY_TILE;
+        for (int i = 0; i < d; i++) ar[i] *= alpha[r];
+        for (int j = 0; j < n; j++) {
+            const float *restrict vj = v[j];
+            for (int i = 0; i < d; i++) ar[i] += pr[j] * vj[i];
+        }
+    }
+}
+
+/* --------------------------------------------------------------------------- paging */
+
+/* Whether the blocks holding positions [start, start + n) are real blocks of the cache. */
+static inline int blocks_valid(const int32_t *block_table, int32_t start, int n,
+                               const kv_cache_t *kv) {
+    for (int32_t b = start / kv->block_size; b <= (start + n - 1) / kv->block_size; b++)
+        if (block_table[b] < 0 || block_table[b] >= kv->num_blocks) return 0;
+    return 1;
+}
+
+/* Whether sequence `seq`'s context fits its block-table row. */
+static inline int context_valid(const seqs_t *seqs, const kv_cache_t *kv, int seq) {
+    const int32_t seq_len = seqs->seq_lens[seq];
+    return seq_len >= 0 && seq_len <= seqs->max_blocks_per_seq * kv->block_size;
+}
+
+/* Float32 views of the K (`which` 0) or V (1) rows of positions [start, start + n): pointers
+ * into the cache when it is float32, else rows converted into buf (row j at buf + j * d). */
+static void tile_rows(const float **rows, float *restrict buf, const kv_cache_t *kv, int which,
+                      const int32_t *table, int32_t start, int n, int kv_head) {
+    const void *cache = which ? kv->v : kv->k;
+    const int64_t block_stride = which ? kv->v_block_stride : kv->k_block_stride;
+    const int64_t slot_stride = which ? kv->v_slot_stride : kv->k_slot_stride;
+    const int64_t head_stride = which ? kv->v_head_stride : kv->k_head_stride;
+    const int d = kv->head_dim;
+    const int elem_bytes = kv->dtype == DTYPE_FLOAT32 ? 4 : 2;
+    int64_t offsets[KEY_TILE];
+    /* position p is slot p % block_size of block block_table[p / block_size]; walk the slots
+     * instead of dividing per row */
+    int32_t block_index = start / kv->block_size, slot = start % kv->block_size;
+    int64_t block_base = (int64_t)table[block_index] * block_stride + (int64_t)kv_head * head_stride;
+    for (int j = 0; j < n; j++) {
+        if (slot == kv->block_size) {
+            slot = 0;
+            block_base = (int64_t)table[++block_index] * block_stride + (int64_t)kv_head * head_stride;
+        }
+        offsets[j] = block_base + (int64_t)slot++ * slot_stride;
+        /* Rows are scattered over blocks: ask for all of them before the first is used, so
+         * their cache misses overlap instead of stalling the products one row at a time. */
+        const char *bytes = (const char *)cache + offsets[j] * elem_bytes;
+        for (int b = 0; b < d * elem_bytes; b += 64) __builtin_prefetch(bytes + b);
+    }
+    for (int j = 0; j < n; j++) rows[j] = row_f32(cache, kv->dtype, offsets[j], d, buf + (int64_t)j * d);
+}
+
+/* Query rows [0, rows) scaled into the log2 domain: row r is token first_token + r / group,
+ * head first_head + r % group. */
+static void load_queries(float *restrict q, float *restrict scratch, const queries_t *qs,
+                         int64_t first_token, int first_head, int group, int rows, int d,
+                         float q_scale) {
+    for (int r = 0; r < rows; r++) {
+        const int64_t token = first_token + r / group;
+        const int head = first_head + r % group;
+        const float *src = row_f32(qs->q, qs->dtype, token * qs->q_token_stride + head * qs->q_head_stride,
+                                   d, scratch);
+        for (int i = 0; i < d; i++) q[(int64_t)r * d + i] = src[i] * q_scale;
+    }
+}
+
+static void store_outputs(const queries_t *qs, const float *acc, const float *running_sum,
+                          int64_t first_token, int first_head, int group, int rows, int d) {
+    for (int r = 0; r < rows; r++) {
+        const int64_t token = first_token + r / group;
+        const int head = first_head + r % group;
+        /* a row that saw no keys (an empty context: batch padding) yields zeros */
+        const float inv_sum = running_sum[r] > 0.0f ? 1.0f / running_sum[r] : 0.0f;
+        store_row(qs->out, qs->dtype, token * qs->out_token_stride + head * qs->out_head_stride,
+                  acc + (int64_t)r * d, inv_sum, d);
+    }
+}
+
+/* Per-thread buffers. */
+typedef struct {
+    float *q, *acc, *scores, *k_buf, *v_buf, *kt, *row, *alpha, *running_max, *running_sum;
+    const float **k_rows, **v_rows;
+} scratch_t;
+
+static void *alloc_bytes(size_t n) {
+    return aligned_alloc(64, (n + 63) & ~(size_t)63);
+}
+
+/* kt (the transposed K tile) only for prefill. */
+static int scratch_alloc(scratch_t *s, int max_rows, int d, int with_kt) {
+    memset(s, 0, sizeof *s);
+    s->q = alloc_bytes(sizeof(float) * max_rows * d);
+    s->acc = alloc_bytes(sizeof(float) * max_rows * d);
+    s->scores = alloc_bytes(sizeof(float) * max_rows * KEY_TILE);
+    s->k_buf = alloc_bytes(sizeof(float) * KEY_TILE * d);
+    s->v_buf = alloc_bytes(sizeof(float) * KEY_TILE * d);
+    s->kt = with_kt ? alloc_bytes(sizeof(float) * KEY_TILE * d) : NULL;
+    s->row = alloc_bytes(sizeof(float) * d);
+    s->alpha = alloc_bytes(sizeof(float) * max_rows);
+    s->running_max = alloc_bytes(sizeof(float) * max_rows);
+    s->running_sum = alloc_bytes(sizeof(float) * max_rows);
+    s->k_rows = alloc_bytes(sizeof(float *) * KEY_TILE);
+    s->v_rows = alloc_bytes(sizeof(float *) * KEY_TILE);
+    if (!(s->q && s->acc && s->scores && s->k_buf && s->v_buf && (s->kt || !with_kt) && s->row && s->alpha
+          && s->running_max && s->running_sum && s->k_rows && s->v_rows))
+        return 0;
+    /* columns of a short last tile are multiplied but never used: keep them finite */
+    if (with_kt) memset(s->kt, 0, sizeof(float) * KEY_TILE * d);
+    return 1;
+}
+
+static void scratch_free(scratch_t *s) {
+    free(s->q); free(s->acc); free(s->scores); free(s->k_buf); free(s->v_buf); free(s->kt);
+    free(s->row); free(s->alpha); free(s->running_max); free(s->running_sum);
+    free(s->k_rows); free(s->v_rows);
+}
+
+static void reset_rows(scratch_t *s, int rows, int d) {
+    memset(s->acc, 0, sizeof(float) * rows * d);
+    for (int r = 0; r < rows; r++) {
+        s->running_max[r] = -INFINITY;
+        s->running_sum[r] = 0.0f;
+    }
+}
+
+/* ------------------------------------------------------------------------------ decode */
+
+/* One query token per sequence over its whole context: row i of the queries belongs to
+ * sequence i. Work items are (sequence, kv head) pairs; each reads its context once for the
+ * whole GQA group. */
+int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs,
+                        float scale, int32_t num_threads) {
+    const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
+    const int d = kv->head_dim;
+    const int64_t num_items = (int64_t)seqs->num_seqs * kv->num_kv_heads;
+    if (group < 1 || group * kv->num_kv_heads != qs->num_heads || d < 1) return ERR_BAD_SHAPE;
+    for (int s = 0; s < seqs->num_seqs; s++)
+        if (!context_valid(seqs, kv, s)) return ERR_BAD_SEQ_LEN;
+    int status = OK;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        scratch_t s;
+        const int ok = scratch_alloc(&s, group, d, 0);
+        if (!ok) {
+#pragma omp atomic write
+            status = ERR_NO_MEMORY;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (!ok) continue;
+            const int seq = (int)(item / kv->num_kv_heads), kv_head = (int)(item % kv->num_kv_heads);
+            const int32_t seq_len = seqs->seq_lens[seq];
+            const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
+            load_queries(s.q, s.row, qs, seq, kv_head * group, group, group, d, scale * LOG2E);
+            reset_rows(&s, group, d);
+            for (int32_t start = 0; start < seq_len; start += KEY_TILE) {
+                const int n = seq_len - start < KEY_TILE ? seq_len - start : KEY_TILE;
+                if (!blocks_valid(table, start, n, kv)) {
+#pragma omp atomic write
+                    status = ERR_BAD_BLOCK_ID;
+                    break;
+                }
+                tile_rows(s.k_rows, s.k_buf, kv, 0, table, start, n, kv_head);
+                for (int j = n; j % 16; j++) s.k_rows[j] = s.k_rows[0]; /* tile_dots reads 16 at a time */
+                tile_rows(s.v_rows, s.v_buf, kv, 1, table, start, n, kv_head);
+                tile_dots(s.scores, s.q, s.k_rows, group, n, d);
+                for (int r = 0; r < group; r++)
+                    s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, n, n, &s.running_max[r],
+                                              &s.running_sum[r]);
+                tile_values(s.acc, s.alpha, s.scores, s.v_rows, group, n, d);
+            }
+            store_outputs(qs, s.acc, s.running_sum, seq, kv_head * group, group, group, d);
+        }
+        scratch_free(&s);
+    }
+    return status;
+}
+
+/* ----------------------------------------------------------------------------- prefill */
+
+/* Index of the sequence whose items include `item`: first_item is ascending, first_item[0] = 0. */
+static int seq_of_item(const int64_t *first_item, int num_seqs, int64_t item) {
+    int lo = 0, hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (first_item[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Query tokens per prefill work item: as many as fit PREFILL_ROWS rows, rounded so the rows
+ * fill the 4-row blocks of the tile products where that is possible. */
+static int prefill_tokens_per_item(int group) {
+    int tokens = group >= PREFILL_ROWS ? 1 : PREFILL_ROWS / group;
+    while (tokens > 1 && (tokens * group) % 4) tokens--;
+    return tokens;
+}
+
+/* Causal attention of prefill chunks over the cached prefix plus the chunk: query i of a chunk
+ * of length L in a context of length S sits at position S - L + i and sees keys 0..S-L+i.
+ * Work items are (sequence, kv head, run of query tokens). An item's rows are (query token,
+ * head of the GQA group) pairs, row r = token r / group, head r % group, so each K/V tile is
+ * loaded and transposed once for the whole group. */
+int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs,
+                         float scale, int32_t num_threads) {
+    const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
+    const int d = kv->head_dim;
+    const int num_seqs = seqs->num_seqs;
+    if (group < 1 || group * kv->num_kv_heads != qs->num_heads || d < 1) return ERR_BAD_SHAPE;
+    const int tokens_per_item = prefill_tokens_per_item(group);
+    const int max_rows = tokens_per_item * group;
+
+    int64_t *first_item = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (!first_item) return ERR_NO_MEMORY;
+    first_item[0] = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int32_t q_len = seqs->query_start_loc[s + 1] - seqs->query_start_loc[s];
+        if (q_len < 0 || q_len > seqs->seq_lens[s] || !context_valid(seqs, kv, s)) {
+            free(first_item);
+            return ERR_BAD_SEQ_LEN;
+        }
+        const int64_t runs = (q_len + tokens_per_item - 1) / tokens_per_item;
+        first_item[s + 1] = first_item[s] + runs * kv->num_kv_heads;
+    }
+    const int64_t num_items = first_item[num_seqs];
+    int status = OK;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        scratch_t s;
+        const int ok = scratch_alloc(&s, max_rows, d, 1);
+        if (!ok) {
+#pragma omp atomic write
+            status = ERR_NO_MEMORY;
+        }
+        /* dynamic: causal items differ in cost; each sequence's costliest (last) runs go first */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            if (!ok) continue;
+            const int seq = seq_of_item(first_item, num_seqs, item);
+            const int64_t local = item - first_item[seq];
+            const int32_t q_begin = seqs->query_start_loc[seq];
+            const int32_t q_len = seqs->query_start_loc[seq + 1] - q_begin;
+            const int32_t context = seqs->seq_lens[seq] - q_len; /* cached tokens before the chunk */
+            const int64_t num_runs = (q_len + tokens_per_item - 1) / tokens_per_item;
+            const int32_t t0 = (int32_t)(num_runs - 1 - local / kv->num_kv_heads) * tokens_per_item;
+            const int32_t t1 = t0 + tokens_per_item < q_len ? t0 + tokens_per_item : q_len;
+            const int kv_head = (int)(local % kv->num_kv_heads);
+            const int rows = (t1 - t0) * group;
+            const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
+
+            load_queries(s.q, s.row, qs, q_begin + t0, kv_head * group, group, rows, d, scale * LOG2E);
+            reset_rows(&s, rows, d);
+            const int32_t key_end = context + t1; /* the item's last query sees keys < key_end */
+            for (int32_t k0 = 0; k0 < key_end; k0 += KEY_TILE) {
+                const int n = key_end - k0 < KEY_TILE ? key_end - k0 : KEY_TILE;
+                if (!blocks_valid(table, k0, n, kv)) {
+#pragma omp atomic write
+                    status = ERR_BAD_BLOCK_ID;
+                    break;
+                }
+                tile_rows(s.k_rows, s.k_buf, kv, 0, table, k0, n, kv_head);
+                for (int j = 0; j < n; j++)
+                    for (int i = 0; i < d; i++) s.kt[i * KEY_TILE + j] = s.k_rows[j][i];
+                tile_rows(s.v_rows, s.v_buf, kv, 1, table, k0, n, kv_head);
+                tile_scores_transposed(s.scores, s.q, s.kt, rows, d);
+                for (int r = 0; r < rows; r++) {
+                    /* row r's query sits at context + t0 + r / group and sees keys up to there */
+                    const int32_t last_key = context + t0 + r / group;
+                    const int visible = last_key - k0 + 1 < n ? last_key - k0 + 1 : n;
+                    s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, visible, n,
+                                              &s.running_max[r], &s.running_sum[r]);
+                }
+                tile_values(s.acc, s.alpha, s.scores, s.v_rows, rows, n, d);
+            }
+            store_outputs(qs, s.acc, s.running_sum, q_begin + t0, kv_head * group, group, rows, d);
+        }
+        scratch_free(&s);
+    }
+    free(first_item);
+    return status;
+}

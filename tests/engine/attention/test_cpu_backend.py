@@ -1,0 +1,313 @@
+"""The C paged-attention kernels (cpu_backend) against a float64 reference; picking the backend.
+
+The reference is the torch path run in float64 on the same (possibly bfloat16) cache values, over
+clean caches; the kernels then run over caches whose slots outside every context hold NaN, so a
+read outside a context shows. Float32 must agree to 1e-5 relative (norm of the difference over
+the norm of the reference); bfloat16 to 5e-3, which is what rounding the output to bfloat16
+(8 significant bits, <= 2e-3 per element) leaves room for.
+"""
+from __future__ import annotations
+
+import logging
+import zlib
+
+import pytest
+import torch
+
+from engine.attention import cpu_backend, cpu_kernels, torch_backend
+from engine.config import ModelConfig
+from engine.model_runner import attention_backend
+from tests.engine.attention.paged import (gather_context, make_paged_kv, naive_attention,
+                                          rel_err)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
+DTYPES = [torch.float32, torch.bfloat16]
+
+# 1 token, block multiples (16, 64, 128), ragged lengths, and 300 = four 64-token key tiles + 44.
+DECODE_SEQ_LENS = [37, 1, 16, 300, 13, 64, 128]
+# (chunk length, context length incl. the chunk): fresh prompts, chunks over a cached prefix, a
+# one-token chunk, an exact block; the last spans several query runs and key tiles.
+PREFILL_CHUNKS = [(5, 5), (7, 20), (1, 9), (16, 16), (70, 100), (130, 300)]
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """Fresh random inputs per case, reproducible from the test's id."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def threads():
+    """Set torch's thread count for one test; restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+def _decode_case(gen, seq_lens, *, group, num_kv_heads=2, head_dim=64, block_size=16,
+                 dtype=torch.float32):
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          block_size=block_size, dtype=dtype)
+    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    ref = torch_backend.decode_attention(query.double(), paged.k_cache.double(),
+                                         paged.v_cache.double(), paged.block_tables, lens,
+                                         max(seq_lens), scale)
+    paged.poison(float("nan"))
+
+    def run() -> torch.Tensor:
+        return cpu_backend.decode_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                            lens, max(seq_lens), scale)
+    return run, ref
+
+
+def _prefill_case(gen, chunks, *, group, num_kv_heads=2, head_dim=64, block_size=16,
+                  dtype=torch.float32):
+    q_lens, seq_lens = (list(x) for x in zip(*chunks))
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          block_size=block_size, dtype=dtype)
+    query = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
+    scale = head_dim ** -0.5
+    ref = torch_backend.prefill_attention(query.double(), paged.k_cache.double(),
+                                          paged.v_cache.double(), paged.block_tables, starts,
+                                          tuple(seq_lens), scale)
+    paged.poison(float("nan"))
+
+    def run() -> torch.Tensor:
+        return cpu_backend.prefill_attention(query, paged.k_cache, paged.v_cache,
+                                             paged.block_tables, starts, tuple(seq_lens), scale)
+    return run, ref
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape
+    err = rel_err(out, ref)
+    assert err < TOLERANCE[dtype], f"rel err {err:.2e}"
+
+
+# ------------------------------------------------------------------------------------- decode
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_matches_float64_reference(gen, dtype, head_dim, group):
+    run, ref = _decode_case(gen, DECODE_SEQ_LENS, group=group, head_dim=head_dim, dtype=dtype)
+    _check(run(), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_decode_other_block_sizes(gen, dtype, block_size):
+    run, ref = _decode_case(gen, DECODE_SEQ_LENS, group=3, num_kv_heads=3, block_size=block_size,
+                            dtype=dtype)
+    _check(run(), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_head_dim_off_the_vector_width(gen, dtype):
+    """head_dim 24 is not a multiple of 16: the portable loops, not the AVX-512 ones."""
+    run, ref = _decode_case(gen, DECODE_SEQ_LENS, group=4, head_dim=24, dtype=dtype)
+    _check(run(), ref, dtype)
+
+
+def test_decode_matches_the_naive_token_by_token_reference(gen):
+    seq_lens = [1, 16, 21]
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=2, head_dim=64, block_size=4)
+    query = torch.randn(3, 6, 64, generator=gen)
+    expected = torch.cat([
+        naive_attention(query[row:row + 1], gather_context(paged.k_cache, paged.block_tables[row], n),
+                        gather_context(paged.v_cache, paged.block_tables[row], n), n - 1, 0.125)
+        for row, n in enumerate(seq_lens)])
+    out = cpu_backend.decode_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                       torch.tensor(seq_lens, dtype=torch.int32), 21, 0.125)
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_decode_empty_context_yields_zeros(gen):
+    """A padded batch row (seq_len 0) gives zeros and leaves its neighbours intact."""
+    paged = make_paged_kv(gen, [70, 1], num_kv_heads=2, head_dim=64, block_size=16)
+    query = torch.randn(3, 4, 64, generator=gen)
+    table = torch.cat([paged.block_tables, paged.block_tables[:1]])
+    lens = torch.tensor([70, 0, 1], dtype=torch.int32)
+    ref = torch_backend.decode_attention(query.double(), paged.k_cache.double(),
+                                         paged.v_cache.double(), table, lens, 70, 0.125)
+    out = cpu_backend.decode_attention(query, paged.k_cache, paged.v_cache, table, lens, 70, 0.125)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert rel_err(out[[0, 2]], ref[[0, 2]]) < 1e-5
+
+
+def test_decode_reads_strided_queries_and_caches(gen):
+    """Queries as views of a fused projection and caches as views of one pool, as in the model."""
+    num_seqs, num_kv_heads, head_dim = 4, 2, 64
+    paged = make_paged_kv(gen, [9, 40, 1, 17], num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          block_size=8)
+    fused = torch.randn(num_seqs, 3, num_kv_heads * 3 * head_dim, generator=gen)
+    query = fused[:, 1].view(num_seqs, num_kv_heads * 3, head_dim)
+    assert not query.is_contiguous()
+    pool = torch.stack([paged.k_cache, paged.v_cache], dim=1)  # [num_blocks, K/V, ...]
+    lens = torch.tensor(paged.seq_lens, dtype=torch.int32)
+    out = cpu_backend.decode_attention(query, pool[:, 0], pool[:, 1], paged.block_tables, lens,
+                                       40, 0.125)
+    ref = torch_backend.decode_attention(query.double(), paged.k_cache.double(),
+                                         paged.v_cache.double(), paged.block_tables, lens, 40, 0.125)
+    assert rel_err(out, ref) < 1e-5
+
+
+# ------------------------------------------------------------------------------------ prefill
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_prefill_matches_float64_reference(gen, dtype, head_dim, group):
+    run, ref = _prefill_case(gen, PREFILL_CHUNKS, group=group, head_dim=head_dim, dtype=dtype)
+    _check(run(), ref, dtype)
+
+
+@pytest.mark.parametrize("chunks", [[(512, 512)], [(512, 1536)], [(1, 1000)]],
+                         ids=["fresh_512", "512_over_1024_prefix", "1_over_999_prefix"])
+def test_prefill_long_chunks(gen, chunks):
+    run, ref = _prefill_case(gen, chunks, group=3, num_kv_heads=3, dtype=torch.bfloat16)
+    _check(run(), ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_head_dim_off_the_vector_width(gen, dtype):
+    run, ref = _prefill_case(gen, PREFILL_CHUNKS, group=3, head_dim=24, block_size=4, dtype=dtype)
+    _check(run(), ref, dtype)
+
+
+def test_prefill_matches_the_naive_token_by_token_reference(gen):
+    chunks = [(5, 5), (3, 11), (6, 13)]
+    q_lens, seq_lens = zip(*chunks)
+    paged = make_paged_kv(gen, list(seq_lens), num_kv_heads=2, head_dim=32, block_size=4)
+    query = torch.randn(sum(q_lens), 6, 32, generator=gen)
+    starts = (0, 5, 8, 14)
+    expected = torch.cat([
+        naive_attention(query[starts[i]:starts[i + 1]],
+                        gather_context(paged.k_cache, paged.block_tables[i], n),
+                        gather_context(paged.v_cache, paged.block_tables[i], n), n - q, 32 ** -0.5)
+        for i, (q, n) in enumerate(chunks)])
+    out = cpu_backend.prefill_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                        starts, seq_lens, 32 ** -0.5)
+    assert rel_err(out, expected) < 1e-5
+
+
+def test_prefill_takes_offsets_and_lengths_as_tensors(gen):
+    paged = make_paged_kv(gen, [3, 19], num_kv_heads=2, head_dim=32, block_size=4)
+    query = torch.randn(7, 4, 32, generator=gen)
+    args = (query, paged.k_cache, paged.v_cache, paged.block_tables)
+    from_tuples = cpu_backend.prefill_attention(*args, (0, 3, 7), (3, 19), 0.25)
+    from_tensors = cpu_backend.prefill_attention(*args, torch.tensor([0, 3, 7], dtype=torch.int32),
+                                                 torch.tensor([3, 19]), 0.25)
+    assert torch.equal(from_tuples, from_tensors)
+
+
+# ------------------------------------------------------------------------- threads and errors
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_one_and_two_threads_give_identical_results(gen, threads, kind):
+    case = _decode_case if kind == "decode" else _prefill_case
+    inputs = DECODE_SEQ_LENS if kind == "decode" else PREFILL_CHUNKS
+    run, _ = case(gen, inputs, group=3, num_kv_heads=3, dtype=torch.bfloat16)
+    threads(1)
+    one = run()
+    threads(2)
+    two = run()
+    assert torch.equal(one, two)
+
+
+def test_block_id_outside_the_cache_is_refused(gen):
+    paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=16, block_size=16)
+    table = paged.block_tables.clone()
+    table[0, 1] = paged.k_cache.shape[0]  # one past the last block
+    with pytest.raises(ValueError, match="block table entry"):
+        cpu_backend.decode_attention(torch.randn(1, 1, 16), paged.k_cache, paged.v_cache, table,
+                                     torch.tensor([20], dtype=torch.int32), 20, 0.25)
+
+
+def test_context_longer_than_its_block_table_is_refused(gen):
+    paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=16, block_size=16,
+                          extra_table_columns=0)
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        cpu_backend.prefill_attention(torch.randn(1, 1, 16), paged.k_cache, paged.v_cache,
+                                      paged.block_tables, (0, 1), (33,), 0.25)
+
+
+def test_mismatched_shapes_are_refused_before_the_kernel(gen):
+    paged = make_paged_kv(gen, [5, 9], num_kv_heads=2, head_dim=16, block_size=4)
+    lens = torch.tensor([5, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"query \(2, 4, 32\) must be \[2, num_heads, 16\]"):
+        cpu_backend.decode_attention(torch.randn(2, 4, 32), paged.k_cache, paged.v_cache,
+                                     paged.block_tables, lens, 9, 0.25)
+    with pytest.raises(ValueError, match="needs a row per sequence"):
+        cpu_backend.decode_attention(torch.randn(2, 4, 16), paged.k_cache, paged.v_cache,
+                                     paged.block_tables[:1], lens, 9, 0.25)
+    with pytest.raises(ValueError, match=r"query \(6, 4, 16\) must be \[7, num_heads, 16\]"):
+        cpu_backend.prefill_attention(torch.randn(6, 4, 16), paged.k_cache, paged.v_cache,
+                                      paged.block_tables, (0, 3, 7), (5, 9), 0.25)
+
+
+def test_float16_takes_the_torch_path(gen):
+    paged = make_paged_kv(gen, [5, 17], num_kv_heads=2, head_dim=32, block_size=16,
+                          dtype=torch.float16)
+    query = torch.randn(2, 4, 32, generator=gen).half()
+    args = (query, paged.k_cache, paged.v_cache, paged.block_tables,
+            torch.tensor([5, 17], dtype=torch.int32), 17, 0.25)
+    assert torch.equal(cpu_backend.decode_attention(*args), torch_backend.decode_attention(*args))
+
+
+@pytest.fixture(scope="module")
+def portable_kernels(tmp_path_factory):
+    """The kernels built without AVX-512: what a CPU without it runs (built into a private cache)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        path = cpu_kernels.build(cflags=(*cpu_kernels.CFLAGS, "-mno-avx512f"))
+    return cpu_kernels.open_library(path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_portable_kernels_match_float64_reference(gen, portable_kernels, monkeypatch, dtype, kind):
+    monkeypatch.setattr(cpu_backend, "load_kernels", lambda: portable_kernels)
+    case = _decode_case if kind == "decode" else _prefill_case
+    run, ref = case(gen, DECODE_SEQ_LENS if kind == "decode" else PREFILL_CHUNKS, group=3,
+                    head_dim=64, dtype=dtype)
+    _check(run(), ref, dtype)
+
+
+# -------------------------------------------------------------------------- backend selection
+
+def test_auto_picks_the_cpu_backend_on_cpu():
+    assert attention_backend(ModelConfig(), torch.device("cpu")) is cpu_backend
+    assert attention_backend(ModelConfig(attention_backend="cpu"), torch.device("cpu")) is cpu_backend
+    assert attention_backend(ModelConfig(attention_backend="torch"), torch.device("cpu")) is torch_backend
+
+
+def test_cpu_backend_needs_the_cpu_device():
+    with pytest.raises(ValueError, match="attention_backend='cpu' needs --device cpu"):
+        attention_backend(ModelConfig(attention_backend="cpu"), torch.device("cuda"))
+
+
+def test_config_names_cpu_among_the_backends():
+    with pytest.raises(ValueError, match="use auto, cpu, torch or triton"):
+        ModelConfig(attention_backend="flash")
+
+
+def test_broken_compiler_falls_back_to_torch_with_a_warning(kernel_cache, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level(logging.WARNING, logger="engine.model_runner"):
+        assert attention_backend(ModelConfig(), torch.device("cpu")) is torch_backend
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "using the slower torch backend" in warnings[0].getMessage()
+    assert "CC='/bin/false'" in warnings[0].getMessage()
+
+
+def test_broken_compiler_is_an_error_when_cpu_is_asked_for(kernel_cache, monkeypatch):
+    monkeypatch.setenv("CC", "/bin/false")
+    with pytest.raises(cpu_backend.KernelBuildError, match="CC='/bin/false'"):
+        attention_backend(ModelConfig(attention_backend="cpu"), torch.device("cpu"))
