@@ -105,27 +105,27 @@ def _cpu_flags() -> str:
         return ""
 
 
-def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS) -> Path:
+def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path = SOURCE) -> Path:
     cc = cc or compiler()
     try:
-        source = SOURCE.read_bytes()
+        source = source_path.read_bytes()
     except OSError as e:  # e.g. a wheel built without the package's C files
-        raise KernelBuildError(f"kernel source {SOURCE} is missing: {e}") from e
+        raise KernelBuildError(f"kernel source {source_path} is missing: {e}") from e
     key = hashlib.sha256()
     for part in (source, " ".join(cflags).encode(), cc.encode(),
                  _compiler_version(cc).encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
-    return cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS) -> Path:
+def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path = SOURCE) -> Path:
     """The compiled library's path, compiling it first unless the cache already holds it.
 
     ``cflags`` other than the default are for tests (e.g. the portable loops without AVX-512).
     """
     cc = cc or compiler()
-    path = library_path(cc, cflags)
+    path = library_path(cc, cflags, source_path)
     if path.exists():
         return path
     started = time.perf_counter()
@@ -140,19 +140,19 @@ def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS) -> Path:
                                "TANDEM_CACHE_DIR to a writable directory") from e
     try:
         try:
-            proc = subprocess.run([*shlex.split(cc), *cflags, "-o", tmp, str(SOURCE)], capture_output=True,
+            proc = subprocess.run([*shlex.split(cc), *cflags, "-o", tmp, str(source_path)], capture_output=True,
                                   text=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise KernelBuildError(f"cannot run the C compiler CC={cc!r}: {e}") from e
         if proc.returncode != 0:
             raise KernelBuildError(
-                f"compiling {SOURCE.name} with CC={cc!r} failed (exit {proc.returncode})"
+                f"compiling {source_path.name} with CC={cc!r} failed (exit {proc.returncode})"
                 f"{_stderr_tail(proc)}; install gcc or set CC, or use --attention-backend torch")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    logger.info("compiled %s into %s in %.1f s", SOURCE.name, path, time.perf_counter() - started)
+    logger.info("compiled %s into %s in %.1f s", source_path.name, path, time.perf_counter() - started)
     return path
 
 

@@ -37,25 +37,30 @@ class TensorParallel:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm; ``residual`` fuses the residual add that precedes every norm in a decoder layer.
+    """RMSNorm with its weight kept in float32 and statistics computed in float32 whatever the
+    model dtype; the output is rounded once to the input's dtype.
 
-    The weight is kept in float32 and the statistics computed in float32 whatever the model
-    dtype; the output is rounded once to the input's dtype. The residual stream itself stays in
-    float32 for half-precision models (``residual + x`` promotes): rounding it to bf16 at every
-    layer is enough to flip SmolLM2's near-tied first answer token ("The" vs "L").
+    ``add_norm`` fuses the residual add that precedes every norm of a decoder layer. The
+    residual stream stays float32 for half-precision models: rounding it to bf16 at every layer
+    is enough to flip SmolLM2's near-tied first answer token ("The" vs "L"). ``ops`` (set by
+    ``LlamaForCausalLM.pack_for_cpu``) runs the add and the norm as one C call.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = None   # engine.models.cpu_ops.LayerOps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        dtype = x.dtype
-        if residual is not None:
-            x = residual + x
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps).to(dtype), x
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x) in x's dtype, residual + x in float32); None starts the stream."""
+        if self.ops is not None:
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x.float() if residual is None else residual + x
+        return F.rms_norm(residual, (x.shape[-1],), self.weight, self.eps).to(x.dtype), residual
 
 
 class PackedLinear(nn.Module):
@@ -132,13 +137,27 @@ class RotaryEmbedding:
         self.cos = torch.cat((cos, cos), dim=-1).float().to(device)
         self.sin = torch.cat((-sin, sin), dim=-1).float().to(device)
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin ``[num_tokens, 1, head_dim]``, looked up once per forward."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def __call__(self, positions: torch.Tensor, lookup: bool = True) -> RopeInputs:
+        """A forward's rotary inputs; ``lookup`` gathers cos and sin ``[num_tokens, 1, head_dim]``
+        once for every layer (the fused CPU op reads the tables by position itself)."""
+        if not lookup:
+            return RopeInputs(positions, self.cos, self.sin)
+        return RopeInputs(positions, self.cos, self.sin, self.cos[positions].unsqueeze(1),
+                          self.sin[positions].unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class RopeInputs:
+    positions: torch.Tensor               # [num_tokens] int64
+    cos_table: torch.Tensor               # [max_positions, head_dim] float32
+    sin_table: torch.Tensor
+    cos: torch.Tensor | None = None       # [num_tokens, 1, head_dim], when looked up
+    sin: torch.Tensor | None = None
+
+
+def apply_rotary(x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
     """Rotate ``[num_tokens, num_heads, head_dim]`` by the positions' angles (float32 math)."""
+    cos, sin = rope.cos, rope.sin
     xf = x.float()
     half = x.shape[-1] // 2
     swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)   # rotate_half, sign is in `sin`

@@ -15,7 +15,9 @@ from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
 from engine.models.arch import ArchConfig
-from engine.models.layers import GatedMLP, PackedLinear, RMSNorm, RotaryEmbedding, TensorParallel, apply_rotary, pack_linears
+from engine.models import cpu_ops
+from engine.models.layers import (GatedMLP, PackedLinear, RMSNorm, RopeInputs, RotaryEmbedding, TensorParallel,
+                                  apply_rotary, pack_linears)
 
 # HF parameter name suffix -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -87,25 +89,31 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
+        self.ops = None   # engine.models.cpu_ops.LayerOps, set by LlamaForCausalLM.pack_for_cpu
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+    def forward(self, rope: RopeInputs, x: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:
-            # q and k heads side by side in one rotation: [T, H + Hkv, D]
+        if self.q_norm is None and self.ops is not None:
+            # q and k heads side by side, rotated in place: [T, H + Hkv, D] of the qkv rows
+            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions,
+                             rope.cos_table, rope.sin_table)
+            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+        elif self.q_norm is None:
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = apply_rotary(qk, *rope).split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k = apply_rotary(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
         else:
             q, k, _ = qkv.split(self.shard_sizes(), dim=-1)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         num_prefill = meta.num_prefill_tokens
@@ -139,11 +147,8 @@ class DecoderLayer(nn.Module):
     def forward(self, rope, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's MLP output not yet added to ``residual`` (None for the
         first layer): each residual add is fused into the norm that follows it."""
-        if residual is None:
-            residual, h = x.float(), self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(rope, h, kv_cache, meta), residual)
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(self.self_attn(rope, h, kv_cache, meta), residual)
         return self.mlp(h), residual
 
 
@@ -162,6 +167,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.packed_head: PackedLinear | None = None   # set by pack_for_cpu
+        self.fused_rotary = False                      # Attention rotates q/k in place (pack_for_cpu)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata,
@@ -172,13 +178,13 @@ class LlamaForCausalLM(nn.Module):
         layer while the next one computes.
         """
         x = self.embed_tokens(input_ids)
-        rope = self.rotary(positions)
+        rope = self.rotary(positions, lookup=not self.fused_rotary)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x, residual = layer(rope, x, residual, kv_cache, meta)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x, residual)[0]
+        return self.norm.add_norm(x, residual)[0]
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -204,7 +210,15 @@ class LlamaForCausalLM(nn.Module):
         return logits
 
     def pack_for_cpu(self) -> int:
-        """Pre-pack every linear layer (and the lm_head) for oneDNN; returns how many."""
+        """Pre-pack every linear layer (and the lm_head) for oneDNN, and switch the norms and
+        rotary to the fused C ops when they build; returns how many linears were packed."""
+        ops = cpu_ops.load()
+        if ops is not None and ops.supports(self.embed_tokens.weight.dtype, self.config.hidden_size,
+                                            self.config.head_dim):
+            for layer in self.layers:
+                layer.input_layernorm.ops = layer.post_attention_layernorm.ops = layer.self_attn.ops = ops
+            self.norm.ops = ops
+            self.fused_rotary = not self.config.qk_norm
         count = pack_linears(self.layers)
         if self.lm_head is not None:
             self.packed_head = PackedLinear.from_linear(self.lm_head)

@@ -1,0 +1,75 @@
+"""Fused elementwise ops of a decoder layer on CPU (``csrc/layer_ops.c``), called through ctypes.
+
+Runs in the engine thread of a CPU worker. Built on first use into the same kernel cache as the
+CPU attention backend (``engine.attention.cpu_kernels.build``). ``load()`` returns None when the
+library cannot be built: the model then keeps its torch ops (same results within rounding).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from engine.attention.cpu_kernels import KernelBuildError, build
+
+logger = logging.getLogger(__name__)
+SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_ops.c"
+ABI_VERSION = 1
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_HIDDEN, MAX_HEAD_DIM = 16384, 1024   # the C side's per-row scratch buffers
+
+_i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+
+
+class LayerOps:
+    """Thin typed wrappers; every call checks what the C side assumes (dtype, contiguity)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if lib.tandem_layer_ops_abi_version() != ABI_VERSION:
+            raise KernelBuildError(f"layer ops ABI {lib.tandem_layer_ops_abi_version()}, expected {ABI_VERSION}")
+        self._norm = lib.tandem_add_rms_norm
+        self._norm.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _f32, _int, _int]
+        self._norm.restype = None
+        self._rotary = lib.tandem_rotary
+        self._rotary.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int]
+        self._rotary.restype = None
+
+    @staticmethod
+    def supports(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
+        return dtype in _DTYPES and hidden <= MAX_HIDDEN and head_dim <= MAX_HEAD_DIM and head_dim % 2 == 0
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x) in x's dtype, the new float32 residual); ``residual`` None starts
+        the stream from ``x``. Updates ``residual`` in place."""
+        num_tokens, hidden = x.shape
+        assert x.stride(1) == 1 and weight.dtype == torch.float32 and weight.is_contiguous()
+        if residual is None:
+            residual, residual_in = torch.empty(num_tokens, hidden, dtype=torch.float32), 0
+        else:
+            assert residual.dtype == torch.float32 and residual.is_contiguous()
+            residual_in = 1
+        out = torch.empty(num_tokens, hidden, dtype=x.dtype)
+        self._norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual_in, weight.data_ptr(), out.data_ptr(),
+                   num_tokens, hidden, eps, _DTYPES[x.dtype], torch.get_num_threads())
+        return out, residual
+
+    def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate the first ``num_heads`` heads of every row of ``x`` ([T, >= num_heads * head_dim],
+        rows may be strided) in place; ``cos``/``sin`` are RotaryEmbedding's full tables."""
+        assert x.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+        self._rotary(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, positions.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads())
+
+
+@lru_cache(maxsize=1)
+def load() -> LayerOps | None:
+    try:
+        return LayerOps(ctypes.CDLL(str(build(source_path=SOURCE))))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("fused CPU layer ops unavailable, using torch ops: %s", exc)
+        return None
