@@ -4,9 +4,10 @@
  * Loaded with ctypes into a worker process and called from its engine thread (ctypes drops the
  * GIL). Each op replaces 4-10 small torch ops whose dispatch cost dominates at decode batch
  * sizes: a 576-wide RMSNorm costs ~15 us through torch and ~1 us here. Math is float32;
- * activations are bfloat16 or float32 (dtype 1 / 0). Rows are processed in parallel with
- * OpenMP (nthreads), each row by one thread in a fixed order, so results do not depend on the
- * thread count.
+ * activations are bfloat16 or float32 (dtype 1 / 0). Single-threaded on purpose: these ops
+ * take microseconds even at batch 64, and an OpenMP region per op (a team of 1 at small batches
+ * between torch's teams of N) made 2-thread decode steps stall for hundreds of ms. nthreads is
+ * accepted and ignored.
  */
 #include <math.h>
 #include <stdint.h>
@@ -62,7 +63,6 @@ void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int r
                          const float *weight, void *out, int64_t num_tokens, int64_t hidden, float eps,
                          int dtype, int nthreads) {
     const size_t es = elem_size(dtype);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (num_tokens > 8)
     for (int64_t t = 0; t < num_tokens; t++) {
         float xf[16384];
         float *restrict r = residual + t * hidden;
@@ -91,7 +91,6 @@ void tandem_rotary(void *x, int64_t row_stride, int64_t num_tokens, int64_t num_
                    int nthreads) {
     const int64_t half = head_dim / 2;
     const size_t es = elem_size(dtype);
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (num_tokens > 8)
     for (int64_t t = 0; t < num_tokens; t++) {
         const float *restrict c = cos_table + positions[t] * head_dim;
         const float *restrict s = sin_table + positions[t] * head_dim;
