@@ -1,7 +1,12 @@
-"""gRPC servicer of the decode worker: the Generate stream, Abort and Stats.
+"""gRPC servicer of the decode worker: the Generate stream, Abort and Stats (asyncio thread).
 
 Also the decode side's client of the prefill workers: it tells a prefill worker where to
 write (SetDestination) and aborts there when a stream is cancelled.
+
+Stream events cross from the engine thread once per step: the engine loop hands its whole batch
+to ``_deliver`` (one ``call_soon_threadsafe``), ``_fan_out`` puts each event on its stream, and
+each Generate handler sends every event that is waiting in one GenerateResponse -- one step's
+token while the client keeps up, several steps' tokens when it lags behind.
 """
 from __future__ import annotations
 
@@ -10,7 +15,7 @@ import logging
 
 import grpc
 
-from decode_worker.worker import DecodeJob, DecodeLoop, StreamEvent
+from decode_worker.worker import DecodeJob, DecodeLoop, EventBatch, StreamEvent
 from engine.serving.convert import check_request, logprobs_to_proto, sampling_from_proto
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -37,6 +42,34 @@ class PrefillClients:
             await channel.close()
 
 
+class _Events:
+    """One Generate stream's events, filled by ``_fan_out`` (asyncio thread)."""
+
+    __slots__ = ("pending", "waiter")
+
+    def __init__(self) -> None:
+        self.pending: list[StreamEvent] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, event: StreamEvent) -> None:
+        self.pending.append(event)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[StreamEvent]:
+        """Every event since the last call (waits for the first)."""
+        while not self.pending:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        events, self.pending = self.pending, []
+        return events
+
+
+def _fan_out(batch: EventBatch) -> None:
+    for sink, event in batch:
+        sink(event)
+
+
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, prefill: PrefillClients, rpc_timeout_s: float = 30.0) -> None:
         self.prefill = prefill
@@ -48,6 +81,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.loop = loop
         self.vocab_size = loop.engine.runner.arch.vocab_size
         self.max_model_len = loop.engine.max_model_len
+        loop.deliver = self._deliver
+
+    # Called on the engine thread once per step with every stream's events.
+    def _deliver(self, batch: EventBatch) -> None:
+        try:
+            self.aio_loop.call_soon_threadsafe(_fan_out, batch)
+        except RuntimeError:
+            pass  # the server is shutting down; nobody reads these streams any more
 
     # Called on the engine thread when blocks are reserved.
     def send_destination(self, job: DecodeJob, descriptor: bytes) -> None:
@@ -84,16 +125,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 raise ValueError("prefill_address is empty: name the prefill worker computing this prompt")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        events = _Events()
         aio_loop = self.aio_loop = asyncio.get_running_loop()
-
-        def sink(event: StreamEvent) -> None:  # engine thread
-            try:
-                aio_loop.call_soon_threadsafe(events.put_nowait, event)
-            except RuntimeError:
-                pass  # the server is shutting down; nobody reads this stream any more
-
-        job = DecodeJob(request.request_id, prompt, params, request.prefill_address, sink=sink)
+        job = DecodeJob(request.request_id, prompt, params, request.prefill_address, sink=events.put)
         try:
             await self.loop.run(lambda: self.loop.add(job))
         except KeyError as exc:
@@ -101,23 +135,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finished = False
         k = params.logprobs or 0
         try:
-            while True:
-                event = await events.get()
-                if event.error is not None:
+            while not finished:
+                response = worker_pb2.GenerateResponse()
+                error = None
+                for event in await events.take():   # an error or a finish is the stream's last event
+                    if event.error is not None:
+                        error = event.error
+                        break
+                    response.token_ids.extend(event.token_ids)
+                    if params.logprobs is not None:
+                        response.logprobs.extend(logprobs_to_proto(t, e, k)
+                                                 for t, e in zip(event.token_ids, event.logprobs))
+                    if event.finish_reason is not None:
+                        finished = True
+                        response.finish_reason = event.finish_reason
+                        response.num_prompt_tokens = event.num_prompt_tokens
+                        response.num_output_tokens = event.num_output_tokens
+                        response.num_cached_tokens = event.num_cached_tokens
+                        break
+                if response.token_ids or finished:
+                    yield response
+                if error is not None:
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, event.error)
-                response = worker_pb2.GenerateResponse(token_ids=event.token_ids)
-                if params.logprobs is not None:
-                    response.logprobs.extend(logprobs_to_proto(t, e, k) for t, e in zip(event.token_ids, event.logprobs))
-                if event.finish_reason is not None:
-                    finished = True
-                    response.finish_reason = event.finish_reason
-                    response.num_prompt_tokens = event.num_prompt_tokens
-                    response.num_output_tokens = event.num_output_tokens
-                    response.num_cached_tokens = event.num_cached_tokens
-                yield response
-                if finished:
-                    return
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, error)
         finally:
             if not finished:  # the client went away: free everything for this request now
                 request_id = request.request_id

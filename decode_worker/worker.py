@@ -7,6 +7,11 @@ announced to kvtransfer, the prefill worker is told the destination, and when ev
 the first token have landed the request joins the decode batch. Out of blocks mid-decode, the
 scheduler retracts the request with the least progress and recomputes it here later.
 
+Stream events (tokens, finishes, errors) are not handed to their streams one by one: the loop
+collects them and passes each batch -- all of one step's tokens, or what the commands and
+transfer polls before the step produced -- to ``deliver`` in one call, so the gRPC side pays
+one cross-thread wakeup per step, not one per running request.
+
 Under tensor parallelism this is rank 0: every rank has a receiver over its own KV heads
 (decode_worker/ranks.py), the prefill worker gets all their descriptors in one blob, and
 reservations, cancels and polls are mirrored on every rank, so a request starts decoding only
@@ -45,13 +50,23 @@ class StreamEvent:
     num_cached_tokens: int = 0
 
 
+Sink = Callable[[StreamEvent], None]
+EventBatch = list[tuple[Sink, StreamEvent]]
+
+
+def deliver_in_place(batch: EventBatch) -> None:
+    """The default ``DecodeLoop.deliver``: call each sink on the engine thread (in-process use)."""
+    for sink, event in batch:
+        sink(event)
+
+
 @dataclass
 class DecodeJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill_address: str
-    sink: Callable[[StreamEvent], None]       # called on the engine thread
+    sink: Sink                                # called by DecodeLoop.deliver with this job's events
     arrival_s: float = field(default_factory=time.monotonic)
     state: str = "preallocating"              # preallocating | transferring | running
     block_ids: list[int] = field(default_factory=list)        # reserved: prompt + first token
@@ -83,6 +98,10 @@ class DecodeLoop(EngineLoop):
         self._gen_tokens_logged = 0
         self._last_log_s = time.monotonic()
         self._retractions_seen = 0
+        self._outbox: EventBatch = []              # stream events not yet delivered (engine thread)
+        # Called on the engine thread with each batch of events, in order; the gRPC servicer
+        # sets it to hand the batch to its asyncio loop in one thread-safe call.
+        self.deliver: Callable[[EventBatch], None] = deliver_in_place
         metrics.kv_blocks_total.set(engine.allocator.num_blocks)
 
     # -- commands (engine thread) ----------------------------------------------------------
@@ -108,8 +127,9 @@ class DecodeLoop(EngineLoop):
             self.cancelled[request_id] = job.block_ids  # freed once no writer can touch them
         else:
             self.engine.abort_request(request_id)
-        job.sink(event or StreamEvent(finish_reason="abort", num_prompt_tokens=len(job.prompt_token_ids),
-                                      num_output_tokens=job.num_output_tokens))
+        event = event or StreamEvent(finish_reason="abort", num_prompt_tokens=len(job.prompt_token_ids),
+                                     num_output_tokens=job.num_output_tokens)
+        self._outbox.append((job.sink, event))
         return True
 
     def set_prefill(self, request_id: str, prefill_address: str) -> bool:
@@ -130,14 +150,19 @@ class DecodeLoop(EngineLoop):
 
     # -- the loop ------------------------------------------------------------------------
     def run_once(self) -> bool:
-        self.engine.check_parallel()
-        self._admit()
-        self._poll_transfers()
-        busy = self.engine.has_unfinished()
-        if busy:
-            now = time.monotonic()
-            for out in self.engine.step():
-                self._emit(out, now)
+        try:
+            self.engine.check_parallel()
+            self._admit()
+            self._poll_transfers()
+            # Before the step: aborts from the commands just run, failed transfers, first tokens.
+            self._flush_events()
+            busy = self.engine.has_unfinished()
+            if busy:
+                now = time.monotonic()
+                for out in self.engine.step():
+                    self._emit(out, now)
+        finally:
+            self._flush_events()   # the step's tokens, every running request's, in one batch
         self._update_gauges()
         return busy
 
@@ -205,7 +230,8 @@ class DecodeLoop(EngineLoop):
                 self.cancelled[request_id] = job.block_ids
                 self.jobs.pop(request_id, None)
                 logger.warning("KV transfer failed request_id=%s: %s", request_id, reason)
-                job.sink(StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}"))
+                error = StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}")
+                self._outbox.append((job.sink, error))
 
     def _start_decoding(self, job: DecodeJob, payload: kvtransfer.NotifyPayload) -> None:
         first_logprobs = None
@@ -238,7 +264,12 @@ class DecodeLoop(EngineLoop):
             event.num_prompt_tokens = len(job.prompt_token_ids)
             event.num_output_tokens = job.num_output_tokens
             event.num_cached_tokens = job.num_cached_tokens
-        job.sink(event)
+        self._outbox.append((job.sink, event))
+
+    def _flush_events(self) -> None:
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self.deliver(batch)
 
     # -- observability -------------------------------------------------------------------------
     def _update_gauges(self) -> None:
