@@ -7,7 +7,14 @@ servers streaming one token per --pace-ms, no model), the router (`python -m rou
 load generator. Added latency = a request's end-to-end time through the router (SDK -> router
 -> workers) minus the same request sent straight to the fake workers the way the router sends
 it (Generate on D + Submit on P), both at concurrency 1. Throughput = streamed requests
-completed per second through the router at --concurrency.
+completed per second through the router at --concurrency; the CPU time each process spent
+per request in that phase is printed beside it (read from /proc on Linux): on a shared machine
+requests/s follows what else runs there far more than the router's CPU per request does. All
+three processes run on uvloop where it is installed, as the router does.
+
+--forwarder puts a bare grpc.aio forwarder in the router's place (Generate -> Generate on D +
+Submit on P, messages copied through; no validation, tokenizer, policy, metrics or failover):
+the floor any router on grpc.aio has on this machine, to read the router's numbers against.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from protos.tandem.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.client import AsyncTandemClient  # noqa: E402
 
 
@@ -40,6 +47,52 @@ async def serve_fakes(pace_s: float) -> None:
     await decode.stop()
 
 
+class Forwarder(tandem_pb2_grpc.TandemServicer):
+    """The least a router does per request: one Generate on D, one Submit on P, copy the stream."""
+
+    def __init__(self, prefill: str, decode: str) -> None:
+        self.addresses = {"prefill": prefill, "decode": decode}
+        self.decode = worker_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(decode))
+        self.prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(prefill))
+        self.num_requests = 0
+
+    async def Generate(self, request, context):
+        self.num_requests += 1
+        rid, prompt = f"fwd-{self.num_requests}", list(request.prompt_token_ids)
+        sampling = worker_pb2.SamplingParams(max_tokens=request.sampling.max_tokens)
+        call = self.decode.Generate(worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                               prefill_address=self.addresses["prefill"]))
+        submit = self.prefill.Submit(worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                              decode_address=self.addresses["decode"]))
+        async for response in call:
+            chunk = tandem_pb2.CompletionChunk(request_id=rid, token_ids=response.token_ids)
+            if response.finish_reason:
+                chunk.finish_reason = response.finish_reason
+                chunk.usage.completion_tokens = response.num_output_tokens
+                yield chunk
+                break
+            yield chunk
+        await submit
+
+
+async def serve_forwarder(prefill: str, decode: str) -> None:
+    server = grpc.aio.server()
+    tandem_pb2_grpc.add_TandemServicer_to_server(Forwarder(prefill, decode), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    print("TANDEM_ROUTER_READY " + json.dumps({"http": None, "grpc": f"127.0.0.1:{port}"}), flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes stdin
+    await server.stop(None)
+
+
+def run(coro):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def read_line(proc: subprocess.Popen, prefix: str = "") -> str:
     while True:
         line = proc.stdout.readline().decode()
@@ -47,6 +100,16 @@ def read_line(proc: subprocess.Popen, prefix: str = "") -> str:
             raise RuntimeError(f"process exited: rc={proc.poll()}")
         if line.startswith(prefix):
             return line[len(prefix):]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux; 0.0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -74,7 +137,7 @@ async def routed_once(client: AsyncTandemClient, prompt: list[int], tokens: int)
     return time.perf_counter() - start
 
 
-async def measure(args, addresses: dict, router_grpc: str) -> None:
+async def measure(args, addresses: dict, router_grpc: str, pids: dict[str, int]) -> None:
     prompt = list(range(1000, 1016))
     channels = {role: grpc.aio.insecure_channel(addr) for role, addr in addresses.items()}
     decode = worker_pb2_grpc.DecodeWorkerStub(channels["decode"])
@@ -106,13 +169,21 @@ async def measure(args, addresses: dict, router_grpc: str) -> None:
                 await routed_once(client, prompt, args.tokens)
                 done += 1
             return done
+        cpu_before = {name: cpu_s(pid) for name, pid in pids.items()}
         start = time.perf_counter()
         done = sum(await asyncio.gather(*(worker() for _ in range(args.concurrency))))
         elapsed = time.perf_counter() - start
+        cpu_ms = {name: (cpu_s(pid) - cpu_before[name]) * ms / done for name, pid in pids.items()}
         print(f"throughput, concurrency {args.concurrency}: {done} streamed requests ({args.tokens} tokens each) in "
               f"{elapsed:.2f} s = {done / elapsed:.0f} requests/s, {done * args.tokens / elapsed:.0f} tokens/s")
+        print("  CPU per request    " + "  ".join(f"{name} {v:.3f} ms" for name, v in cpu_ms.items())
+              + (f"  (router alone on one core: {ms / cpu_ms['router']:.0f} requests/s)" if cpu_ms["router"] else ""))
     for channel in channels.values():
         await channel.close()
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def main() -> int:
@@ -122,10 +193,16 @@ def main() -> int:
     parser.add_argument("--latency-requests", type=int, default=300)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--forwarder", action="store_true",
+                        help="measure a bare grpc.aio forwarder in the router's place (the transport's floor)")
     parser.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve-forwarder", nargs=2, metavar=("PREFILL", "DECODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_fakes:
-        asyncio.run(serve_fakes(args.pace_ms / 1000.0))
+        run(serve_fakes(args.pace_ms / 1000.0))
+        return 0
+    if args.serve_forwarder:
+        run(serve_forwarder(*args.serve_forwarder))
         return 0
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     fakes = subprocess.Popen([sys.executable, __file__, "--serve-fakes", "--pace-ms", str(args.pace_ms)],
@@ -133,19 +210,23 @@ def main() -> int:
     router = None
     try:
         addresses = json.loads(read_line(fakes))
-        router = subprocess.Popen([sys.executable, "-m", "router", "--http-port", "-1", "--grpc-port", "0",
-                                   "--prefill", addresses["prefill"], "--decode", addresses["decode"],
-                                   "--max-waiting", "100000", "--log-level", "WARNING"],
-                                  stdout=subprocess.PIPE, cwd=ROOT, env=env)
+        if args.forwarder:
+            argv = [__file__, "--serve-forwarder", addresses["prefill"], addresses["decode"]]
+        else:
+            argv = ["-m", "router", "--http-port", "-1", "--grpc-port", "0", "--prefill", addresses["prefill"],
+                    "--decode", addresses["decode"], "--max-waiting", "100000", "--log-level", "WARNING"]
+        router = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
+                                  env=env)
         ready = json.loads(read_line(router, "TANDEM_ROUTER_READY "))
         time.sleep(1.5)  # first heartbeat marks the workers healthy
-        print(f"machine: {os.cpu_count()} CPUs; fake workers, router and this client are separate processes")
-        asyncio.run(measure(args, addresses, ready["grpc"]))
+        print(f"machine: {os.cpu_count()} CPUs, load average {_load()}; fake workers, "
+              f"{'a bare forwarder' if args.forwarder else 'router'} and this client are separate processes")
+        run(measure(args, addresses, ready["grpc"], {"router": router.pid, "fakes": fakes.pid, "client": os.getpid()}))
+        print(f"load average after: {_load()}")
     finally:
         for proc in (router, fakes):
             if proc is not None:
-                if proc is fakes:
-                    proc.stdin.close()
+                proc.stdin.close()
                 proc.terminate()
                 proc.wait(10)
     return 0

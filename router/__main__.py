@@ -69,13 +69,23 @@ async def serve(config: RouterConfig) -> int:
     return 0
 
 
+def run(coro) -> int:
+    """On uvloop where it is installed: the loop's own cost per gRPC completion and per HTTP
+    chunk is a large part of what the router spends per token (benchmarks/router_overhead.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
     except ValueError as exc:
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(config))
+    return run(serve(config))
 
 
 if __name__ == "__main__":

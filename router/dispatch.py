@@ -102,17 +102,20 @@ class Dispatcher:
                 attempt = self._start(attempt_id, progress, sampling, avoid)
                 try:
                     async for response in attempt.call:
-                        if response.token_ids and waiting:
+                        # One event per message, however many tokens (engine steps) it carries.
+                        token_ids = list(response.token_ids)
+                        finish_reason = response.finish_reason
+                        if token_ids and waiting:
                             waiting = False
                             self.num_waiting -= 1
-                        if response.token_ids or response.finish_reason:
+                        if token_ids or finish_reason:
                             attempt.streamed = True
                             self._prefill_done(attempt)
-                        progress.output_token_ids += response.token_ids
-                        event = TokenEvent(list(response.token_ids), list(response.logprobs))
-                        if response.finish_reason:
+                        progress.output_token_ids += token_ids
+                        event = TokenEvent(token_ids, list(response.logprobs) if response.logprobs else [])
+                        if finish_reason:
                             attempt.finished = True
-                            event.finish_reason = response.finish_reason
+                            event.finish_reason = finish_reason
                             event.num_prompt_tokens = len(progress.prompt_token_ids)
                             event.num_output_tokens = len(progress.output_token_ids)
                             event.num_cached_tokens = response.num_cached_tokens

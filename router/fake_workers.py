@@ -1,10 +1,14 @@
 """In-process twins of the prefill and decode workers, for router tests and the router benchmark.
 
 Real grpc.aio servers on port 0 speaking worker.proto, so the router talks to them exactly as
-to real workers. The fake decode worker streams a deterministic function of the sequence so far
-(``next_token``), one token per ``token_interval_s``; a request resumed from prompt + generated
-tokens therefore continues with the same tokens, like a greedy model. ``kv_blocks_used`` is the
-number of open streams, so "no blocks left in use" can be asserted. No torch, no engine.
+to real workers. The fake decode worker makes one token per ``token_interval_s`` for each open
+stream, a deterministic function of the sequence so far (``next_token``), so a request resumed
+from prompt + generated tokens continues with the same tokens, like a greedy model. Tokens are
+made in steps, like the real decode worker's engine steps: one timer makes a token for every
+open stream, starting when a stream opens on an idle worker; a stream's handler sends
+everything made since its last message in one GenerateResponse -- one token while the reader
+keeps up, several when it lags. ``kv_blocks_used`` is the number of open streams, so "no blocks
+left in use" can be asserted. No torch, no engine.
 """
 from __future__ import annotations
 
@@ -65,6 +69,47 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
         return self.state.stats("prefill")
 
 
+@dataclass(eq=False)
+class _FakeStream:
+    """One Generate stream: the steps append tokens, its handler sends them."""
+
+    seq: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+    fail_after_tokens: int | None
+    pending: list[int] = field(default_factory=list)   # made, not yet sent
+    num_made: int = 0
+    finish_reason: str | None = None
+    failed: bool = False
+    waiter: asyncio.Future | None = None
+
+    def step(self) -> bool:
+        """Make the next token (or fail); False once the stream makes no more."""
+        if self.fail_after_tokens is not None and self.num_made >= self.fail_after_tokens:
+            self.failed = True
+        else:
+            token = next_token(self.seq)
+            self.seq.append(token)
+            self.pending.append(token)
+            self.num_made += 1
+            if token in self.stop_token_ids and not self.ignore_eos:
+                self.finish_reason = "stop"
+            elif self.num_made >= self.max_tokens:
+                self.finish_reason = "length"
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+        return not (self.failed or self.finish_reason)
+
+    async def take(self) -> list[int]:
+        """The tokens made since the last call (waits for one, or for the end)."""
+        while not (self.pending or self.finish_reason or self.failed):
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        tokens, self.pending = self.pending, []
+        return tokens
+
+
 class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, state: FakeState, token_interval_s: float = 0.0, fail_after_tokens: int | None = None) -> None:
         self.state = state
@@ -72,7 +117,20 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.fail_after_tokens = fail_after_tokens   # end each stream with UNAVAILABLE after this many
         self.stats_delay_s = 0.0                     # a slow (or, with a large value, hung) Stats
         self.stats_gone = False                      # Stats answers UNAVAILABLE (engine thread dead)
-        self._cancel: dict[str, asyncio.Event] = {}
+        self._generating: dict[str, _FakeStream] = {}
+        self._next_step: asyncio.TimerHandle | None = None
+
+    def _step(self) -> None:
+        """One engine step: a token for every generating stream; the next step follows while any is left."""
+        for rid, stream in list(self._generating.items()):
+            if not stream.step():
+                del self._generating[rid]
+        self._next_step = None
+        self._schedule_step()
+
+    def _schedule_step(self) -> None:
+        if self._next_step is None and self._generating:
+            self._next_step = asyncio.get_running_loop().call_later(self.token_interval_s, self._step)
 
     async def Generate(self, request, context):
         rid = request.request_id
@@ -81,32 +139,27 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.state.active.add(rid)
         self.state.seen.append(rid)
         params = request.sampling
-        seq = list(request.prompt_token_ids)
-        max_tokens = params.max_tokens if params.HasField("max_tokens") else 16
-        stops = set(params.stop_token_ids)
+        stream = _FakeStream(list(request.prompt_token_ids), params.max_tokens if params.HasField("max_tokens") else 16,
+                             frozenset(params.stop_token_ids), params.ignore_eos, self.fail_after_tokens)
+        self._generating[rid] = stream
+        self._schedule_step()
         try:
-            for i in range(max_tokens):
-                if self.token_interval_s:
-                    await asyncio.sleep(self.token_interval_s)
-                if self.fail_after_tokens is not None and i >= self.fail_after_tokens:
+            while True:
+                tokens = await stream.take()
+                if stream.failed and not tokens:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode failure")
-                token = next_token(seq)
-                seq.append(token)
-                response = worker_pb2.GenerateResponse(token_ids=[token])
+                response = worker_pb2.GenerateResponse(token_ids=tokens)
                 if params.HasField("logprobs"):
-                    top = [token] + [FIRST_FAKE_TOKEN + j for j in range(params.logprobs) if FIRST_FAKE_TOKEN + j != token]
-                    response.logprobs.append(worker_pb2.TokenLogprobs(
-                        token_id=token, logprob=-0.5, top_token_ids=top[:max(params.logprobs, 0)],
-                        top_logprobs=[-0.5 - k for k in range(min(len(top), params.logprobs))]))
-                stopped = token in stops and not params.ignore_eos
-                if stopped or i == max_tokens - 1:
-                    response.finish_reason = "stop" if stopped else "length"
+                    response.logprobs.extend(_fake_logprobs(t, params.logprobs) for t in tokens)
+                if stream.finish_reason is not None and not stream.pending:
+                    response.finish_reason = stream.finish_reason
                     response.num_prompt_tokens = len(request.prompt_token_ids)
-                    response.num_output_tokens = i + 1
+                    response.num_output_tokens = stream.num_made
                 yield response
                 if response.finish_reason:
                     return
         finally:
+            self._generating.pop(rid, None)
             self.state.active.discard(rid)
 
     async def Abort(self, request, context):
@@ -120,6 +173,12 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         if self.stats_gone:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")
         return self.state.stats("decode")
+
+
+def _fake_logprobs(token: int, k: int) -> worker_pb2.TokenLogprobs:
+    top = [token] + [FIRST_FAKE_TOKEN + j for j in range(k) if FIRST_FAKE_TOKEN + j != token]
+    return worker_pb2.TokenLogprobs(token_id=token, logprob=-0.5, top_token_ids=top[:max(k, 0)],
+                                    top_logprobs=[-0.5 - i for i in range(min(len(top), k))])
 
 
 class FakeWorker:

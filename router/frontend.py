@@ -17,6 +17,7 @@ import jinja2
 from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router import errors
+from router.coalesce import Coalescer
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
@@ -116,35 +117,43 @@ class Frontend:
     # -- streaming --------------------------------------------------------------------------
 
     async def stream(self, request: PreparedRequest) -> AsyncIterator[TextChunk]:
+        """One chunk per batch of decode messages: every token that arrived while the previous
+        chunk was being written goes out in the next one (router.coalesce)."""
         text = TextStream(self.tokenizer, request.stop)
         start_s = last_s = time.perf_counter()
         num_output_tokens = 0
-        events = self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params)
+        batches = Coalescer(self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params))
         self.metrics.running.inc()
         try:
-            async for event in events:
+            while batch := await batches.take():
+                last = batch[-1]
+                if len(batch) == 1:
+                    token_ids, logprobs = last.token_ids, last.logprobs
+                else:
+                    token_ids = [t for event in batch for t in event.token_ids]
+                    logprobs = [lp for event in batch for lp in event.logprobs]
                 now_s = time.perf_counter()
-                if event.token_ids:
+                if token_ids:
                     (self.metrics.ttft if num_output_tokens == 0 else self.metrics.itl).observe(now_s - last_s)
                     last_s = now_s
-                    num_output_tokens += len(event.token_ids)
-                delta = text.add(event.token_ids)
-                finish = "stop" if text.stopped else event.finish_reason
+                    num_output_tokens += len(token_ids)
+                delta = text.add(token_ids)
+                finish = "stop" if text.stopped else last.finish_reason
                 if finish is None:
-                    yield TextChunk(delta, event.token_ids, event.logprobs)
+                    yield TextChunk(delta, token_ids, logprobs)
                     continue
                 if not text.stopped:
                     delta += text.finish()
-                usage = Usage(len(request.prompt_token_ids), num_output_tokens, event.num_cached_tokens)
+                usage = Usage(len(request.prompt_token_ids), num_output_tokens, last.num_cached_tokens)
                 self._count_finish(finish, usage, now_s - start_s)
-                yield TextChunk(delta, event.token_ids, event.logprobs, finish, usage)
+                yield TextChunk(delta, token_ids, logprobs, finish, usage)
                 return
         except errors.RouterError as exc:
             self.metrics.errors.labels(str(exc.http_status)).inc()
             raise
         finally:
             self.metrics.running.dec()
-            await events.aclose()
+            await batches.close()
 
     def _count_finish(self, finish: str, usage: Usage, latency_s: float) -> None:
         self.metrics.requests.labels(finish).inc()

@@ -10,9 +10,12 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+
+import orjson
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -31,8 +34,16 @@ def _error_response(exc: errors.RouterError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.http_status, headers=headers)
 
 
-def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+def _sse(payload: dict, exact_json: bool = False) -> bytes:
+    """One SSE event. orjson is ~10x faster than json.dumps here but writes NaN and +-inf as
+    null; ``exact_json`` keeps json's spelling (-Infinity) for a payload carrying such a logprob."""
+    if exact_json:
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _has_non_finite(chunk: TextChunk) -> bool:
+    return not all(math.isfinite(lp.logprob) and all(map(math.isfinite, lp.top_logprobs)) for lp in chunk.logprobs)
 
 
 class LogprobFormatter:
@@ -169,13 +180,14 @@ class HttpApi:
                 offsets[index] += len(chunk.text)
                 yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [{"index": index, "text": chunk.text, "logprobs": logprobs,
-                                         "finish_reason": chunk.finish_reason}]})
+                                         "finish_reason": chunk.finish_reason}]},
+                           logprobs is not None and _has_non_finite(chunk))
             if body.include_usage:
                 yield _sse({"id": response_id, "object": "text_completion", "created": created, "model": model,
                             "choices": [], "usage": _usage(finals)})
         except errors.RouterError as exc:
             yield _sse(exc.to_json())
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
     # -- chat -------------------------------------------------------------------------------
 
@@ -214,12 +226,13 @@ class HttpApi:
                 delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
                 yield _sse({**head, "choices": [{"index": index, "delta": delta,
                                                  "logprobs": self.logprobs.chat(chunk) if body.logprobs else None,
-                                                 "finish_reason": chunk.finish_reason}]})
+                                                 "finish_reason": chunk.finish_reason}]},
+                           body.logprobs and _has_non_finite(chunk))
             if body.include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(finals)})
         except errors.RouterError as exc:
             yield _sse(exc.to_json())
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
 
 def _with_seed(sampling, seed: int | None):

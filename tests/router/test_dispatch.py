@@ -8,10 +8,12 @@ import httpx
 import msgpack
 import pytest
 
-from protos.tandem.v1 import tandem_pb2
+from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router.client import AsyncTandemClient
-from router.fake_workers import FakeWorker, fake_completion
-from tests.router.conftest import start_fake_cluster, stop_fake_cluster
+from router.config import RouterConfig
+from router.fake_workers import FakeDecode, FakeWorker, fake_completion
+from router.server import Router
+from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
 
 
 def run(loop_thread, tokenizer, body, timeout_s: float = 60.0, **cluster_options):
@@ -247,3 +249,55 @@ def test_largest_ids_round_trip_through_proto_and_msgpack():
     assert msgpack.unpackb(msgpack.packb(list(back.token_ids))) == [0, big]
     sampling = tandem_pb2.Sampling(seed=big, stop_token_ids=[big])
     assert tandem_pb2.Sampling.FromString(sampling.SerializeToString()).seed == big
+
+
+class _LaggingDecode(FakeDecode):
+    """Sends each request's tokens three per GenerateResponse, as a decode worker does when its
+    stream lags three engine steps behind."""
+
+    async def Generate(self, request, context):
+        params = request.sampling
+        tokens = fake_completion(list(request.prompt_token_ids), params.max_tokens)
+        self.state.seen.append(request.request_id)
+        for start in range(0, len(tokens), 3):
+            part = tokens[start:start + 3]
+            response = worker_pb2.GenerateResponse(token_ids=part)
+            if params.HasField("logprobs"):
+                response.logprobs.extend(worker_pb2.TokenLogprobs(token_id=t, logprob=-0.25) for t in part)
+            if start + 3 >= len(tokens):
+                response.finish_reason, response.num_output_tokens = "length", len(tokens)
+            yield response
+
+
+def test_several_tokens_per_decode_message_keep_tokens_logprobs_usage_and_stop_strings(loop_thread, tokenizer):
+    prompt = [21, 22, 23]
+    expected = fake_completion(prompt, 10)
+    text = tokenizer.decode(expected)
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+
+    async def main():
+        prefill = await FakeWorker("prefill").start()
+        decode = FakeWorker("decode")
+        decode.servicer = _LaggingDecode(decode.state)
+        await decode.start()
+        router = await Router(RouterConfig(model=MODEL, http_port=-1, grpc_port=0, prefill=(prefill.address,),
+                                           decode=(decode.address,), heartbeat_interval_s=0.2), tokenizer).start()
+        try:
+            await router.registry.wait_healthy("decode", 1)
+            await router.registry.wait_healthy("prefill", 1)
+            async with AsyncTandemClient(router.grpc_address) as client:
+                chunks = [c async for c in client.generate_stream(prompt, max_tokens=10, logprobs=1)]
+                stopped = await client.generate(prompt, max_tokens=10, stop=[stop])
+            return chunks, stopped
+        finally:
+            await router.stop()
+            await prefill.stop()
+            await decode.stop()
+
+    chunks, stopped = loop_thread.run(main())
+    assert [t for c in chunks for t in c.token_ids] == expected
+    assert [lp.token_id for c in chunks for lp in c.logprobs] == expected
+    assert "".join(c.text for c in chunks) == text
+    assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
+    assert len(chunks) <= 4                          # a chunk per message, never one per token
+    assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]

@@ -72,8 +72,9 @@ def test_n_seed_logprobs_and_vllm_extras(client):
                                           logprobs=True, top_logprobs=3, n=2, stream=True)
     chunks = [c for c in chat if c.choices]
     assert {c.choices[0].index for c in chunks} == {0, 1}
-    with_lp = [c for c in chunks if c.choices[0].logprobs]
-    assert len(with_lp) == 6 and len(with_lp[0].choices[0].logprobs.content[0].top_logprobs) == 3
+    # One logprobs entry per token; a chunk carries every token that arrived since the last one.
+    entries = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert len(entries) == 6 and all(len(e.top_logprobs) == 3 for e in entries)
 
 
 def test_models_cluster_health_metrics(client, fake_cluster):
@@ -183,3 +184,13 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("condition never held")
+
+
+def test_sse_events_decode_to_the_payload_and_keep_json_spelling_for_non_finite_logprobs():
+    from router.http_api import _sse
+    payload = {"id": "cmpl-1", "choices": [{"index": 0, "text": "héllo \"x\"\n", "logprobs": None,
+                                            "finish_reason": None}], "usage": {"prompt_tokens": 3}}
+    event = _sse(payload)
+    assert event.startswith(b"data: ") and event.endswith(b"\n\n")
+    assert json.loads(event[len(b"data: "):]) == payload
+    assert _sse({"logprob": float("-inf")}, exact_json=True) == b'data: {"logprob":-Infinity}\n\n'
