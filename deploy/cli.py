@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from engine.cli_args import add_config_args, config_from_args
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=CacheConfig.gpu_memory_utilization)
     p.add_argument("--kv-cache-memory", default=None, help="exact KV pool bytes per worker (e.g. 4GiB)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                   help="auto: float32 on CPU, bfloat16 with --memory")
+                   help="auto: bfloat16 with --memory (a GPU) or on CPUs with native bf16, else float32")
     p.add_argument("--block-size", type=int, default=CacheConfig.block_size)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -132,7 +132,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         memory = torch.cuda.get_device_properties(0).total_memory
     elif memory is not None:
         memory = parse_bytes(memory)
-    dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if memory is not None else "float32")
+    dtype = resolve_dtype(args.dtype, on_cuda=memory is not None)
     workload = (read_workload(args.request_log) if args.request_log is not None
                 else Workload(args.input_len, args.output_len))
     plan = make_plan(load_arch(resolve_model(args.model)), args.model, dtype=dtype, block_size=args.block_size,

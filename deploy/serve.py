@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args, config_to_args
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.serving.config import WorkerConfig
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
@@ -168,7 +168,7 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
     """On a one-node CPU cluster: every worker's weights and KV pool must fit this machine."""
     from deploy.plan import DEFAULT_CPU_KV_CACHE_BYTES, Workload, make_plan
 
-    dtype = "float32" if args.dtype == "auto" else args.dtype
+    dtype = resolve_dtype(args.dtype, on_cuda=False)
     plan = make_plan(arch, args.model, dtype=dtype, block_size=args.block_size,
                      tensor_parallel_size=tp["decode"], workload=Workload(1024, 256), memory_bytes=None,
                      gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_memory=args.kv_cache_memory,

@@ -14,6 +14,24 @@ _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "lpm")
 
 
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, on_cuda: bool) -> str:
+    """What ``--dtype auto`` means: bfloat16 on CUDA and on CPUs with native bf16, else float32
+    (one rule for the engine, ``tandem plan`` and ``tandem serve``'s checks)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if on_cuda or cpu_has_native_bf16() else "float32"
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which weights to load and how to run them."""

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import CacheConfig, ModelConfig, ParallelConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, resolve_dtype
 from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVLayout, KVPool, capacity_lines
 from engine.loader import Checkpoint, resolve_model
@@ -76,23 +76,9 @@ def pick_device(config: ModelConfig, tp_rank: int = 0) -> torch.device:
     return torch.device("cuda", tp_rank % torch.cuda.device_count())
 
 
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True when the CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
-    try:
-        with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
 def pick_dtype(config: ModelConfig, device: torch.device) -> torch.dtype:
     """``auto``: bfloat16 on CUDA and on CPUs with native bf16, float32 on other CPUs."""
-    if config.dtype == "auto":
-        if device.type == "cuda" or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    return _DTYPES[config.dtype]
+    return _DTYPES[resolve_dtype(config.dtype, device.type == "cuda")]
 
 
 def attention_backend(config: ModelConfig, device: torch.device) -> ModuleType:

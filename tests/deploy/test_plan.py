@@ -23,7 +23,7 @@ def _plan(*args: str) -> dict:
 
 
 def test_smollm2_cpu_pool_by_hand():
-    plan = _plan("--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--input-len", "300",
+    plan = _plan("--dtype", "float32", "--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--input-len", "300",
                  "--output-len", "100")
     kv_per_token = 2 * 30 * 3 * 64 * 4                  # K and V, 30 layers, 3 KV heads x 64, float32
     assert plan["kv_bytes_per_token"] == kv_per_token == 46080
