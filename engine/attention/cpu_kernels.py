@@ -105,8 +105,9 @@ def _cpu_flags() -> str:
         return ""
 
 
-def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path = SOURCE) -> Path:
+def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path | None = None) -> Path:
     cc = cc or compiler()
+    source_path = source_path or SOURCE
     try:
         source = source_path.read_bytes()
     except OSError as e:  # e.g. a wheel built without the package's C files
@@ -119,12 +120,12 @@ def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source
     return cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
 
 
-def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path = SOURCE) -> Path:
+def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path | None = None) -> Path:
     """The compiled library's path, compiling it first unless the cache already holds it.
 
     ``cflags`` other than the default are for tests (e.g. the portable loops without AVX-512).
     """
-    cc = cc or compiler()
+    cc, source_path = cc or compiler(), source_path or SOURCE
     path = library_path(cc, cflags, source_path)
     if path.exists():
         return path

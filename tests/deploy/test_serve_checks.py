@@ -61,7 +61,7 @@ def test_a_kv_pool_smaller_than_one_sequence_is_refused_with_numbers():
 
 
 def test_weights_that_do_not_fit_this_machine_are_refused(monkeypatch):
-    args = parse()
+    args = parse("--dtype", "float32")
     arch = serve.check_model(args, {"prefill": 1, "decode": 1})
     monkeypatch.setattr(serve, "_mem_available", lambda: 1 << 30)
     with pytest.raises(ValueError, match=r"2 worker processes need 3\.\d GiB \(0\.50 GiB weights \+ 1\.00 GiB KV pool "
