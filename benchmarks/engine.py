@@ -81,7 +81,9 @@ def _time_steps(engine: LLMEngine, steps: int) -> float:
 def bench_decode(engine: LLMEngine, batches: list[int], threads: list[int], context: int, steps: int,
                  rng: random.Random, profile: bool) -> tuple[list[dict], str | None]:
     batches = sorted(batches, reverse=True)
-    params = SamplingParams(temperature=0, max_tokens=_decode_budget(batches, threads, steps), ignore_eos=True)
+    prefill_steps = -(-batches[0] * context // engine.scheduler.config.chunked_prefill_size) + 1
+    params = SamplingParams(temperature=0, max_tokens=_decode_budget(batches, threads, steps, prefill_steps),
+                            ignore_eos=True)
     ids = [f"ctx{context}-{i}" for i in range(batches[0])]
     for request_id, prompt in zip(ids, _prompts(rng, engine.runner.arch.vocab_size, batches[0], context)):
         engine.add_request(request_id, prompt, params)
@@ -106,9 +108,10 @@ def bench_decode(engine: LLMEngine, batches: list[int], threads: list[int], cont
     return rows, table
 
 
-def _decode_budget(batches: list[int], threads: list[int], steps: int) -> int:
-    """Tokens each sequence generates over one context's measurements (warm-ups, the profile)."""
-    return len(threads) * len(batches) * (steps + 1) + steps + 16
+def _decode_budget(batches: list[int], threads: list[int], steps: int, prefill_steps: int) -> int:
+    """Tokens each sequence may generate over one context's measurements: while the others
+    still prefill (continuous batching), the warm-ups, the timed steps and the profile."""
+    return prefill_steps + len(threads) * len(batches) * (steps + 1) + steps + 16
 
 
 def profile_steps(engine: LLMEngine, steps: int) -> str:
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}}
     for dtype in args.dtypes.split(","):
         torch.set_num_threads(max(threads))
-        max_len = max(contexts) + _decode_budget(batches, threads, args.decode_steps) + 16
+        prefill_steps = -(-max(batches) * max(contexts) // args.chunked_prefill_size) + 1
+        max_len = max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16
         engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device="cpu", max_model_len=max_len),
                            CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32) * engine_kv_bytes_per_token(args.model, dtype),
                                        enable_prefix_caching=False, shared_memory=False),
