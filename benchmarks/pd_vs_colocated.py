@@ -315,7 +315,7 @@ def print_table(results: dict[str, dict]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="the engine default: bfloat16 on CPUs with native bf16")
     p.add_argument("--request-rate", type=float, default=0.3, help="steady Poisson arrivals per second")
     p.add_argument("--num-requests", type=int, default=12, help="steady requests")
     p.add_argument("--prompt-len", type=int, default=256)

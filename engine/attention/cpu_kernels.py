@@ -1,4 +1,4 @@
-"""Builds and loads the C paged-attention kernels (``csrc/paged_attention.c``) for the CPU backend.
+"""Builds and loads the C paged-attention kernels (``engine/csrc/paged_attention.c``) for the CPU backend.
 
 Runs in each worker process that uses ``engine.attention.cpu_backend``, on first use. The library
 is compiled with the system C compiler (``$CC``, default ``gcc``) into a per-user cache directory,
@@ -23,7 +23,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_attention.c"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"   # every C source and the headers they share
+SOURCE = CSRC / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ABI_VERSION = 1  # tandem_abi_version() in the C source; bump both when the structs change
 COMPILE_TIMEOUT_S = 120
@@ -113,7 +114,8 @@ def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source
     except OSError as e:  # e.g. a wheel built without the package's C files
         raise KernelBuildError(f"kernel source {source_path} is missing: {e}") from e
     key = hashlib.sha256()
-    for part in (source, " ".join(cflags).encode(), cc.encode(),
+    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
+    for part in (source, headers, " ".join(cflags).encode(), cc.encode(),
                  _compiler_version(cc).encode(), _cpu_flags().encode()):
         key.update(part)
         key.update(b"\0")
@@ -141,7 +143,7 @@ def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: 
                                "TANDEM_CACHE_DIR to a writable directory") from e
     try:
         try:
-            proc = subprocess.run([*shlex.split(cc), *cflags, "-o", tmp, str(source_path)], capture_output=True,
+            proc = subprocess.run([*shlex.split(cc), *cflags, f"-I{CSRC}", "-o", tmp, str(source_path)], capture_output=True,
                                   text=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise KernelBuildError(f"cannot run the C compiler CC={cc!r}: {e}") from e

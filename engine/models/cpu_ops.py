@@ -1,4 +1,4 @@
-"""Fused elementwise ops of a decoder layer on CPU (``csrc/layer_ops.c``), called through ctypes.
+"""Fused elementwise ops of a decoder layer on CPU (``engine/csrc/layer_ops.c``), called through ctypes.
 
 Runs in the engine thread of a CPU worker. Built on first use into the same kernel cache as the
 CPU attention backend (``engine.attention.cpu_kernels.build``). ``load()`` returns None when the
@@ -9,14 +9,13 @@ from __future__ import annotations
 import ctypes
 import logging
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
-from engine.attention.cpu_kernels import KernelBuildError, build
+from engine.attention.cpu_kernels import CSRC, KernelBuildError, build
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).resolve().parent / "csrc" / "layer_ops.c"
+SOURCE = CSRC / "layer_ops.c"
 ABI_VERSION = 1
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HIDDEN, MAX_HEAD_DIM = 16384, 1024   # the C side's per-row scratch buffers

@@ -13,25 +13,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define ABI_VERSION 1
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 int tandem_layer_ops_abi_version(void) { return ABI_VERSION; }
 
-static inline float bf16_to_f32(uint16_t bits) {
-    uint32_t u = (uint32_t)bits << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* The dtype-specialized loops below are plain enough for gcc to vectorize at -O3. */
 static inline void row_to_f32(const void *x, float *restrict dst, int64_t n, int dtype) {

@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
@@ -62,21 +64,6 @@ typedef struct {
 int tandem_abi_version(void) { return ABI_VERSION; }
 
 /* ------------------------------------------------------------------------ conversions */
-
-static inline float bf16_to_f32(uint16_t bits) {
-    uint32_t u = (uint32_t)bits << 16; /* bfloat16 is the high half of a float32 */
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u); /* round to nearest, ties to even */
-    return (uint16_t)(u >> 16);
-}
 
 static inline void bf16_row_to_f32(float *restrict dst, const uint16_t *restrict src, int n) {
     int i = 0;
