@@ -34,14 +34,16 @@ DEFAULT_SCENARIOS = "1:16:256:128,8:64:256:128,16:96:256:128,64:128:256:128,8:32
 METRICS = ("output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
 
 
-def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float) -> float:
-    """Seconds until /v1/models answers; raises if the server exits first."""
+def wait_ready(port: int, proc: subprocess.Popen, timeout_s: float, log: Path, ready_text: str | None) -> float:
+    """Seconds until /v1/models answers (and ``ready_text`` is in the log: Tandem's router answers
+    before its workers are up); raises if the server exits first."""
     started = time.monotonic()
     while time.monotonic() - started < timeout_s:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+            if (httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200
+                    and (ready_text is None or ready_text in log.read_text(errors="replace"))):
                 return time.monotonic() - started
         except httpx.HTTPError:
             pass
@@ -79,11 +81,12 @@ def summarize(raw: dict, num_prompts: int) -> dict:
     return row
 
 
-def serve(name: str, argv: list[str], port: int, log: Path, timeout_s: float) -> tuple[subprocess.Popen, float]:
+def serve(name: str, argv: list[str], port: int, log: Path, timeout_s: float,
+          ready_text: str | None = None) -> tuple[subprocess.Popen, float]:
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
     try:
-        startup = wait_ready(port, proc, timeout_s)
+        startup = wait_ready(port, proc, timeout_s, log, ready_text)
     except BaseException:
         stop(proc)
         raise
@@ -122,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "vllm":
         tandem = [str(Path(sys.executable).parent / "tandem"), "serve", "--address", "local",
                   "--http-port", str(args.tandem_port), "--grpc-port", "0", *shlex.split(args.tandem_args)]
-        proc, summary["tandem_startup_s"] = serve("tandem", tandem, args.tandem_port, args.out / "tandem.log", 600)
+        proc, summary["tandem_startup_s"] = serve("tandem", tandem, args.tandem_port, args.out / "tandem.log", 600,
+                                                 ready_text="Tandem is serving")
         try:
             summary["tandem"] = run_scenarios("tandem", args.tandem_port, scenarios, args.out)
         finally:
