@@ -9,9 +9,11 @@ row under its own ``SamplingParams``. The order follows vLLM:
    over output tokens only;
 3. greedy rows (temperature 0) take the argmax of the penalized logits;
 4. random rows are divided by their temperature, filtered by top-k, top-p and min-p, and
-   sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``. The noise of a
-   row comes from that request's own generator when it has one, so a seed gives the same
-   tokens whatever else shares the batch.
+   sampled by inverse CDF: one uniform ``u`` per row, the first token whose cumulative
+   probability exceeds ``u x total``. The uniform of a row comes from that request's own
+   generator when it has one, so a seed gives the same tokens whatever else shares the batch.
+   (One draw per row instead of an exponential race over the whole vocabulary: drawing 49152
+   exponentials per row took ~20% of a batch-16 decode step on CPU.)
 
 Stop conditions (eos, stop ids, max_tokens) are the scheduler's job, not this module's.
 The common case, an all-greedy batch with no penalties and no logprobs, is a single argmax.
@@ -46,8 +48,8 @@ class SamplerOutput:
 
 
 def advance_generator(generator: torch.Generator, vocab_size: int) -> None:
-    """Consume exactly the random numbers one sampled row draws (see ``Sampler.__call__``)."""
-    torch.empty(vocab_size, dtype=torch.float32, device=generator.device).exponential_(generator=generator)
+    """Consume exactly the random numbers one sampled row draws (see ``Sampler._sample``)."""
+    torch.rand(1, dtype=torch.float32, device=generator.device, generator=generator)
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -210,22 +212,23 @@ class Sampler:
             )
         probs = logits.softmax(dim=-1)
 
-        # argmax(probs / q) with q ~ Exp(1) is a draw from probs. Each seeded row draws its
-        # own V values, so its tokens do not depend on its batch position or companions.
-        noise = torch.empty_like(probs)
+        # Inverse CDF: the first token whose cumulative probability exceeds u * total (right=True:
+        # a zero-probability token never matches, not even for u = 0).
+        uniform = torch.empty(len(requests), 1, dtype=torch.float32, device=device)
         shared_rows = [i for i, r in enumerate(requests) if r.generator is None]
         if len(shared_rows) == len(requests):
-            noise.exponential_(generator=self._shared_generator(device))
+            uniform.uniform_(generator=self._shared_generator(device))
         elif shared_rows:
-            noise[shared_rows] = torch.empty(
-                len(shared_rows), probs.shape[1], device=device
-            ).exponential_(generator=self._shared_generator(device))
+            uniform[shared_rows] = torch.rand(len(shared_rows), 1, device=device,
+                                              generator=self._shared_generator(device))
         for i, request in enumerate(requests):
             if request.generator is not None:
-                noise[i].exponential_(generator=request.generator)
-        # exponential_ may return 0; 0/0 would be NaN, which argmax would pick.
-        noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-        return _argmax(probs / noise)
+                uniform[i] = torch.rand(1, dtype=torch.float32, device=device, generator=request.generator)
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        # Strictly below the total, so the match is a token whose probability is not zero.
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)

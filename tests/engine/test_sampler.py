@@ -312,3 +312,15 @@ def test_mixed_batch_shapes_and_row_independence():
 def test_rejects_mismatched_batch():
     with pytest.raises(ValueError, match="B=2"):
         Sampler()(torch.zeros(3, 5), [req(), req()])
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token_at_the_edges(monkeypatch):
+    """u = 0 and u just below 1 land on the first and the last token with probability > 0."""
+    from engine.sampler import Sampler, SamplingRequest
+
+    logits = torch.full((2, 8), float("-inf"))
+    logits[:, 2] = logits[:, 5] = 0.0           # tokens 0, 1, 3, 4, 6, 7 have probability 0
+    requests = [SamplingRequest(SamplingParams(temperature=1.0), [1], []) for _ in range(2)]
+    edges = torch.tensor([[0.0], [1.0 - 2.0 ** -24]])
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, generator=None: self.copy_(edges))
+    assert Sampler()(logits, requests).token_ids == [2, 5]
