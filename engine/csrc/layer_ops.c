@@ -6,8 +6,7 @@
  * sizes: a 576-wide RMSNorm costs ~15 us through torch and ~1 us here. Math is float32;
  * activations are bfloat16 or float32 (dtype 1 / 0). Single-threaded on purpose: these ops
  * take microseconds even at batch 64, and an OpenMP region per op (a team of 1 at small batches
- * between torch's teams of N) made 2-thread decode steps stall for hundreds of ms. nthreads is
- * accepted and ignored.
+ * between torch's teams of N) made 2-thread decode steps stall for hundreds of ms.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,7 +14,7 @@
 
 #include "bf16.h"
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 int tandem_layer_ops_abi_version(void) { return ABI_VERSION; }
@@ -49,7 +48,7 @@ static inline size_t elem_size(int dtype) { return dtype == DTYPE_BFLOAT16 ? 2 :
  */
 void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int residual_in,
                          const float *weight, void *out, int64_t num_tokens, int64_t hidden, float eps,
-                         int dtype, int nthreads) {
+                         int dtype) {
     const size_t es = elem_size(dtype);
     for (int64_t t = 0; t < num_tokens; t++) {
         float xf[16384];
@@ -75,8 +74,7 @@ void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int r
  * head_dim <= 1024.
  */
 void tandem_rotary(void *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
-                   const int64_t *positions, const float *cos_table, const float *sin_table, int dtype,
-                   int nthreads) {
+                   const int64_t *positions, const float *cos_table, const float *sin_table, int dtype) {
     const int64_t half = head_dim / 2;
     const size_t es = elem_size(dtype);
     for (int64_t t = 0; t < num_tokens; t++) {

@@ -16,7 +16,7 @@ from engine.attention.cpu_kernels import CSRC, KernelBuildError, build
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "layer_ops.c"
-ABI_VERSION = 1
+ABI_VERSION = 2
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HIDDEN, MAX_HEAD_DIM = 16384, 1024   # the C side's per-row scratch buffers
 
@@ -30,10 +30,10 @@ class LayerOps:
         if lib.tandem_layer_ops_abi_version() != ABI_VERSION:
             raise KernelBuildError(f"layer ops ABI {lib.tandem_layer_ops_abi_version()}, expected {ABI_VERSION}")
         self._norm = lib.tandem_add_rms_norm
-        self._norm.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _f32, _int, _int]
+        self._norm.argtypes = [_ptr, _i64, _ptr, _int, _ptr, _ptr, _i64, _i64, _f32, _int]
         self._norm.restype = None
         self._rotary = lib.tandem_rotary
-        self._rotary.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int]
+        self._rotary.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]
         self._rotary.restype = None
 
     @staticmethod
@@ -53,7 +53,7 @@ class LayerOps:
             residual_in = 1
         out = torch.empty(num_tokens, hidden, dtype=x.dtype)
         self._norm(x.data_ptr(), x.stride(0), residual.data_ptr(), residual_in, weight.data_ptr(), out.data_ptr(),
-                   num_tokens, hidden, eps, _DTYPES[x.dtype], torch.get_num_threads())
+                   num_tokens, hidden, eps, _DTYPES[x.dtype])
         return out, residual
 
     def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
@@ -62,7 +62,7 @@ class LayerOps:
         rows may be strided) in place; ``cos``/``sin`` are RotaryEmbedding's full tables."""
         assert x.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
         self._rotary(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, positions.data_ptr(),
-                     cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads())
+                     cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
 
 
 @lru_cache(maxsize=1)
