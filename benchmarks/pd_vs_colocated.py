@@ -2,7 +2,7 @@
 
 Runs one seeded workload against (A) a real prefill worker + a real decode worker, separate
 processes with one torch thread each, driven over gRPC the way the router drives them
-(DESIGN.md §3: open DecodeWorker.Generate, send PrefillWorker.Submit concurrently), and (B)
+(docs/architecture.md#request-flow: open DecodeWorker.Generate, send PrefillWorker.Submit concurrently), and (B)
 the colocated LLMEngine, stepped by a server thread in this process with requests added at
 their arrival times, once per entry of --colocated-threads (the first is the baseline of the
 headline; with 2 threads it owns both cores, with 1 it matches one worker's share).

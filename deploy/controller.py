@@ -1,4 +1,4 @@
-"""The Ray side of ``tandem serve``: the controller actor and the process hosts (DESIGN.md §8).
+"""The Ray side of ``tandem serve``: the controller actor and the process hosts (docs/architecture.md#orchestration).
 
 The **controller** is a detached, named Ray actor (``tandem-controller`` in namespace
 ``tandem``). It holds the desired replicas per role and reconciles twice a second:

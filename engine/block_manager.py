@@ -2,7 +2,7 @@
 
 Runs inside each worker process (prefill and decode), driven by that worker's scheduler. It is
 pure bookkeeping over block ids — it never touches tensors and imports no torch, so the
-scheduler stays cheap to import and to test (DESIGN.md §4).
+scheduler stays cheap to import and to test (docs/architecture.md#kv-cache).
 
 Model (vLLM v1 / nano-vllm):
 

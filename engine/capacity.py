@@ -3,7 +3,7 @@ from __future__ import annotations
 
 
 def capacity_lines(num_blocks: int, block_size: int, max_model_len: int) -> tuple[str, str]:
-    """The two startup lines operators grep for (DESIGN.md §4)."""
+    """The two startup lines operators grep for (docs/architecture.md#kv-cache)."""
     num_tokens = num_blocks * block_size
     blocks_per_request = -(-max_model_len // block_size)
     concurrency = num_blocks // blocks_per_request

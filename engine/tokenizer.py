@@ -2,7 +2,7 @@
 
 Used by the router process (chat templating, prompt encoding, streaming text back to clients)
 and by the workers (stop-token ids). Importing this module must not import torch
-(DESIGN.md §2): it needs only the stdlib, ``tokenizers`` and ``jinja2``.
+(docs/architecture.md#packages-and-import-direction): it needs only the stdlib, ``tokenizers`` and ``jinja2``.
 
 Two sources are supported. A Hugging Face model directory carries a ``tokenizer.json`` that
 ``tokenizers`` loads as is. A GGUF file carries the vocabulary, merges and special ids as

@@ -1,4 +1,4 @@
-"""kvtransfer: one-sided KV block transfers between worker processes (DESIGN.md §5).
+"""kvtransfer: one-sided KV block transfers between worker processes (docs/architecture.md#kv-transfer).
 
 A decode worker registers its KV pool with :func:`create_receiver` and hands out
 ``receiver.descriptor.to_bytes()``; a prefill worker opens it with :func:`create_sender` and

@@ -7,7 +7,7 @@ gRPC error, or Submit fails transiently — both workers are probed (a dead one 
 the request is dispatched again to a fresh pair with prompt + the tokens already streamed and
 the remaining ``max_tokens``, so the caller sees one unbroken token stream with nothing
 duplicated or missing. A prefill worker lost while its request still waits for KV is replaced
-in place (DESIGN.md §3.7): the prompt is re-submitted to another prefill worker and the decode
+in place (docs/architecture.md#failure-handling): the prompt is re-submitted to another prefill worker and the decode
 worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``). Retries use ``<request_id>.retry<N>`` so a worker still cleaning up the
 old attempt never sees a clash.
 

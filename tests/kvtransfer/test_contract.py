@@ -1,4 +1,4 @@
-"""One contract, every backend: what any kvtransfer backend must do (DESIGN.md §5)."""
+"""One contract, every backend: what any kvtransfer backend must do (docs/architecture.md#kv-transfer)."""
 from __future__ import annotations
 
 import random

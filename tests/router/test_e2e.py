@@ -191,7 +191,7 @@ def test_kill_9_decode_worker_mid_stream(cluster):
 
 def test_kill_9_prefill_worker_mid_stream(cluster, caplog):
     """Requests whose prefill worker dies move to the other prefill worker and keep their
-    decode reservation (DESIGN.md §3.7); every stream completes with the undisturbed text."""
+    decode reservation (docs/architecture.md#failure-handling); every stream completes with the undisturbed text."""
     router, workers = cluster
     prompts = [" ".join(["word"] * 150) + f" {i}" for i in range(6)]
     expected = _greedy_texts(_client(router), prompts, 40)   # undisturbed
