@@ -57,7 +57,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV pool geometry and sizing (DESIGN.md §4)."""
+    """Paged KV pool geometry and sizing (docs/architecture.md#kv-cache)."""
 
     block_size: int = 16
     kv_cache_memory: int | None = None        # bytes for the KV pool; wins over utilization
@@ -81,7 +81,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits (DESIGN.md §6)."""
+    """Continuous-batching limits (docs/architecture.md#scheduling-and-its-knobs)."""
 
     max_num_seqs: int = 64              # decode batch cap (--max-running-requests)
     chunked_prefill_size: int = 2048    # prefill tokens per step
@@ -103,7 +103,7 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism inside one replica: one process per rank (DESIGN.md §8).
+    """Tensor parallelism inside one replica: one process per rank (docs/architecture.md#tensor-parallelism).
 
     Rank 0 schedules and broadcasts each step; ranks > 0 follow. ``dist_init_address`` is the
     ``host:port`` where rank 0 hosts the torch.distributed TCPStore every rank joins.

@@ -1,4 +1,4 @@
-"""House rules a machine can check: import direction (DESIGN.md §2) and no pickle (§5)."""
+"""House rules a machine can check: import direction and no pickle (docs/architecture.md)."""
 from __future__ import annotations
 
 import ast
@@ -41,7 +41,7 @@ def test_imports_point_one_way():
                     wrong.append(f"{path.relative_to(ROOT)}:{lineno} imports {module} (router may use engine.tokenizer only)")
                 elif module.split(".")[0] in banned:
                     wrong.append(f"{path.relative_to(ROOT)}:{lineno} imports {module}")
-    assert not wrong, "imports against DESIGN.md §2:\n" + "\n".join(wrong)
+    assert not wrong, "imports against docs/architecture.md#packages-and-import-direction:\n" + "\n".join(wrong)
 
 
 def test_import_checker_catches_a_wrong_arrow(tmp_path):
@@ -57,7 +57,7 @@ def test_no_pickle_in_the_product():
             for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if PICKLE.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
-    assert not hits, "pickle-family use (DESIGN.md §5 forbids it):\n" + "\n".join(hits)
+    assert not hits, "pickle-family use (docs/architecture.md#wire-formats forbids it):\n" + "\n".join(hits)
 
 
 def test_engine_package_and_tokenizer_import_without_torch():
