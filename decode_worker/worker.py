@@ -220,7 +220,14 @@ class DecodeLoop(EngineLoop):
                 self.ranks.run([["release", request_id]])
                 del self.transferring[request_id]
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.reserved_s)
-                self._start_decoding(job, payload)
+                problem = self._check_payload(payload)
+                if problem is None:
+                    self._start_decoding(job, payload)
+                else:   # the KV landed, but nothing may be decoded from it: fail this request only
+                    self.jobs.pop(request_id, None)
+                    self.engine.allocator.free(job.block_ids[::-1])
+                    logger.warning("bad notify from the prefill worker request_id=%s: %s", request_id, problem)
+                    self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker sent {problem}")))
             elif not none_failed:
                 # Failed on some rank: stop the others too; the blocks go once all are freeable.
                 result = self.receiver.result(request_id)
@@ -232,6 +239,17 @@ class DecodeLoop(EngineLoop):
                 logger.warning("KV transfer failed request_id=%s: %s", request_id, reason)
                 error = StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}")
                 self._outbox.append((job.sink, error))
+
+    def _check_payload(self, payload: kvtransfer.NotifyPayload) -> str | None:
+        """What is wrong with a prefill worker's notify (its token ids index the embedding and
+        the vocabulary of every later step), or None."""
+        vocab = self.engine.runner.arch.vocab_size
+        if not 0 <= payload.first_token_id < vocab:
+            return f"first token id {payload.first_token_id}, outside the vocabulary [0, {vocab})"
+        bad = next((t for t, _ in payload.top_logprobs if not 0 <= t < vocab), None)
+        if bad is not None:
+            return f"top logprob token id {bad}, outside the vocabulary [0, {vocab})"
+        return None
 
     def _start_decoding(self, job: DecodeJob, payload: kvtransfer.NotifyPayload) -> None:
         first_logprobs = None

@@ -4,8 +4,9 @@ Prefill rank r holds KV heads r of every computed prompt and writes them into de
 pool, through its own senders. Rank 0's PrefillLoop drives every rank with mirrored ops
 (engine/tp_role.py) and the per-layer write plan it sends with each step:
 
-- ``["open", request_id, descriptors]``: the decode worker's region blob (one descriptor per
-  decode rank, ``kvtransfer.join_descriptors``); this rank opens ``descriptors[rank]``;
+- ``["open", request_id, descriptors, dst_block_ids]``: the decode worker's region blob (one
+  descriptor per decode rank, ``kvtransfer.join_descriptors``); this rank opens
+  ``descriptors[rank]`` and refuses block ids outside that region;
 - ``["write", request_id, layers, src_block_ids, dst_block_ids]``, ``["notify", request_id, payload]``;
 - ``["cancel", request_id, reason]``, ``["cancel_at", descriptors, request_id, reason]`` (a
   destination that came before its Submit), ``["forget", request_id]``;
@@ -14,8 +15,11 @@ pool, through its own senders. Rank 0's PrefillLoop drives every rank with mirro
   every layer of that forward.
 
 Rank 0 applies an op before the followers do, so a bad destination (a TP size mismatch, a
-layout mismatch) is refused there and mirrored nowhere; a follower that still cannot open its
-region records a failed transfer instead of dying.
+layout mismatch, block ids outside the region) is refused there and mirrored nowhere; a
+follower that still cannot open its region records a failed transfer instead of dying. Any
+write or notify that fails -- refused by the sender, or failed while it ran -- fails its request
+alone: the failure is recorded as that request's result, and the request is cancelled at its
+sender, which stops renewing its lease and tells the decode worker to free the blocks.
 """
 from __future__ import annotations
 
@@ -114,9 +118,14 @@ class PrefillRank(RoleHandler):
             self.senders[descriptor] = sender
         return sender
 
-    def _open(self, request_id: str, descriptors: bytes) -> None:
+    def _open(self, request_id: str, descriptors: bytes, dst_block_ids: list[int]) -> None:
         try:
             sender = self.sender(descriptors)
+            num_blocks = sender.descriptor.num_blocks
+            bad = [b for b in dst_block_ids if not 0 <= b < num_blocks]
+            if bad:
+                raise ValueError(f"request_id={request_id!r}: destination block ids {bad[:8]} are out of range "
+                                 f"[0, {num_blocks}) of the decode worker's pool")
         except Exception as exc:
             if self.tp_rank == 0:
                 raise           # refused before anything is mirrored: the caller reports it
@@ -140,8 +149,29 @@ class PrefillRank(RoleHandler):
 
     def _track(self, request_id: str, op: Callable[[kvtransfer.Sender], Future]) -> None:
         sender = self.requests.get(request_id)
-        if sender is not None:   # None: this rank could not open the region (already failed)
-            self.futures[request_id].append(op(sender))
+        if sender is None:   # this rank could not open the region (already failed)
+            return
+        try:
+            future = op(sender)
+        except Exception as exc:  # refused before it was queued: fail this request, not the step
+            logger.warning("kvtransfer op refused request_id=%s: %s", request_id, exc)
+            future = Future()
+            future.set_exception(exc)
+        future.add_done_callback(lambda f: self._on_done(sender, request_id, f))
+        self.futures[request_id].append(future)
+
+    @staticmethod
+    def _on_done(sender: kvtransfer.Sender, request_id: str, future: Future) -> None:
+        """A failed op ends its request at the sender: no more lease renewals for it, and the
+        decode worker hears at once that the blocks will not be filled (runs on the sender's
+        thread, or here for an op refused up front)."""
+        exc = future.exception()
+        if exc is None or sender.is_cancelled(request_id):
+            return
+        try:
+            sender.cancel(request_id, f"KV write failed: {type(exc).__name__}: {exc}"[:512])
+        except Exception as cancel_exc:  # noqa: BLE001 - the sender is closing; nothing is left to stop
+            logger.debug("could not cancel request_id=%s: %s", request_id, cancel_exc)
 
     def close(self) -> None:
         for sender in self.senders.values():

@@ -106,7 +106,10 @@ class PrefillLoop(EngineLoop):
         if len(destination.block_ids) != num_blocks:
             raise ValueError(f"request_id={request_id!r}: {len(destination.block_ids)} destination blocks "
                              f"for a prompt that fills {num_blocks}")
-        self.ranks.run([["open", request_id, destination.descriptor]])  # ValueError: refused
+        if len(set(destination.block_ids)) != num_blocks:
+            raise ValueError(f"request_id={request_id!r}: the destination block ids hold a duplicate")
+        # ValueError: refused (a bad descriptor, a layout mismatch, block ids outside the pool).
+        self.ranks.run([["open", request_id, destination.descriptor, destination.block_ids]])
         job.destination = destination
         job.destination_s = time.monotonic()
         if job.first is not None:
