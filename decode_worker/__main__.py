@@ -43,7 +43,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
         engine.close()
         raise
     metrics = WorkerMetrics("decode")
-    prefill = PrefillClients()
+    prefill = PrefillClients(worker.cluster_secret)
     servicer = DecodeServicer(prefill)
     loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination, descriptor)
     servicer.attach(loop)

@@ -17,15 +17,18 @@ import grpc
 
 from decode_worker.worker import DecodeJob, DecodeLoop, EventBatch, StreamEvent
 from engine.serving.convert import check_request, logprobs_to_proto, sampling_from_proto
+from protos.auth import SecretStub
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillClients:
-    """One aio channel per prefill worker address, used from the asyncio thread."""
+    """One aio channel per prefill worker address, used from the asyncio thread; every call
+    carries the cluster secret (``secret=None``: none, for in-process tests)."""
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | None = None) -> None:
+        self._secret = secret
         self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
@@ -34,7 +37,8 @@ class PrefillClients:
         if stub is None:
             channel = grpc.aio.insecure_channel(address)
             self._channels.append(channel)
-            stub = self._stubs[address] = worker_pb2_grpc.PrefillWorkerStub(channel)
+            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+            stub = self._stubs[address] = stub if self._secret is None else SecretStub(stub, self._secret)
         return stub
 
     async def close(self) -> None:

@@ -8,9 +8,9 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
   so router + 2 workers fit on 2 cores;
 - every rank is a ``ProcessHost`` actor in its bundle that runs ``python -m {role}_worker`` as
   a child (dies with the actor: PR_SET_PDEATHSIG) and reports its ready line and exit code;
-- a new replica is registered with the router (RegisterWorker) once all its ranks are ready and
-  counts as *running* once the router's heartbeat found it healthy: it takes traffic only then;
-- scale-down drains (DeregisterWorker drain=true: no new requests), waits until the router has
+- a new replica is registered with the router (Admin.RegisterWorker) once all its ranks are ready
+  and counts as *running* once the router's heartbeat found it healthy: it takes traffic only then;
+- scale-down drains (Admin.DeregisterWorker drain=true: no new requests), waits until the router has
   no request in flight on the replica, then removes it and stops its processes;
 - a replica whose process dies is removed from the router (its requests fail over), torn down
   and started again, right away the first time and then with a growing delay; one that keeps
@@ -18,6 +18,12 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
   code 2 (a configuration error) or never comes up shows as ``failed`` and is not retried;
 - the router itself runs in a ``ProcessHost`` on the node ``tandem serve`` ran on, and is
   restarted (with every running worker re-registered) if it dies.
+
+The deployment's cluster secret (``ServeSpec.cluster_secret``, made by ``tandem serve``) reaches
+the router and every worker rank in its environment (``TANDEM_CLUSTER_SECRET``), never on a
+command line; the controller sends it on every admin call. On a one-node cluster
+(``ServeSpec.internal_host`` = 127.0.0.1) the workers bind their gRPC, /metrics, kvtransfer and
+TP store to loopback; on several nodes, the node's address.
 
 The controller never blocks its reconcile loop on a slow start: each replica starts in its own
 thread. The CLI (deploy/serve.py) talks to it with ``start``, ``status``, ``scale`` and
@@ -42,7 +48,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from deploy.launch import ROUTER_READY_PREFIX, ServiceProcess
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
-from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from protos.auth import SECRET_ENV, SecretStub
+from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,11 @@ class ServeSpec:
     router_cpus: float = 0.1
     started_ray: bool = False                # `tandem down` stops the Ray cluster too
     start_timeout_s: float = 900.0
+    cluster_secret: str = field(default="", repr=False)   # never printed; see protos/auth.py
+    internal_host: str = ""                  # workers bind this (one node: 127.0.0.1); "" = the node's IP
+
+    def secret_env(self) -> dict[str, str]:
+        return {SECRET_ENV: self.cluster_secret} if self.cluster_secret else {}
 
 
 # -- the process host: one per worker rank, one for the router -------------------------------
@@ -183,6 +195,7 @@ class Controller:
         self.router: dict[str, Any] = {}
         self._router_host = None
         self._stub: tandem_pb2_grpc.TandemStub | None = None
+        self._admin: SecretStub | None = None
         self._channel: grpc.Channel | None = None
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -261,7 +274,7 @@ class Controller:
             scheduling_strategy=NodeAffinitySchedulingStrategy(spec.router_node_id, soft=False)
             if spec.router_node_id else "DEFAULT").remote("router")
         argv = [sys.executable, "-m", "router", "--model", spec.model, *spec.router_flags]
-        env = {"TANDEM_API_KEY": spec.api_key} if spec.api_key else {}
+        env = {**({"TANDEM_API_KEY": spec.api_key} if spec.api_key else {}), **spec.secret_env()}
         pid = ray.get(host.start.remote(argv, ROUTER_READY_PREFIX, env))
         deadline = time.monotonic() + 120
         try:
@@ -285,6 +298,7 @@ class Controller:
         target = f"127.0.0.1:{port}" if bind in ("0.0.0.0", "[::]", "::") else info["grpc"]
         self._channel = grpc.insecure_channel(target)
         self._stub = tandem_pb2_grpc.TandemStub(self._channel)
+        self._admin = SecretStub(admin_pb2_grpc.AdminStub(self._channel), spec.cluster_secret)
         logger.info("router ready: http %s, grpc %s", info["http"], info["grpc"])
 
     def _router_stub(self) -> tandem_pb2_grpc.TandemStub:
@@ -292,19 +306,24 @@ class Controller:
             raise RuntimeError("the router is not running")
         return self._stub
 
+    def _admin_stub(self) -> SecretStub:
+        if self._admin is None:
+            raise RuntimeError("the router is not running")
+        return self._admin
+
     def _metadata(self) -> tuple:
         return (("authorization", f"Bearer {self.spec.api_key}"),) if self.spec.api_key else ()
 
     def _register(self, r: Replica) -> None:
-        self._router_stub().RegisterWorker(tandem_pb2.RegisterWorkerRequest(role=r.role, address=r.address),
-                                           timeout=10.0, metadata=self._metadata(), wait_for_ready=True)
+        self._admin_stub().RegisterWorker(admin_pb2.RegisterWorkerRequest(role=r.role, address=r.address),
+                                          timeout=10.0, wait_for_ready=True)
 
     def _deregister(self, r: Replica, drain: bool = False) -> None:
         if not r.address:
             return
         try:
-            self._router_stub().DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=r.address, drain=drain),
-                                                 timeout=10.0, metadata=self._metadata(), wait_for_ready=True)
+            self._admin_stub().DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=r.address, drain=drain),
+                                                timeout=10.0, wait_for_ready=True)
         except (grpc.RpcError, RuntimeError) as exc:
             logger.warning("could not deregister %s from the router: %s", r.id, exc)
 
@@ -482,17 +501,18 @@ class Controller:
                    for i in range(r.tp)]
         node = ray.get(r.hosts[0].node.remote())
         r.node = node["ip"]
-        flags = ["--model", spec.model, "--host", node["ip"], "--port", "0", *spec.worker_flags]
+        host = spec.internal_host or node["ip"]
+        flags = ["--model", spec.model, "--host", host, "--port", "0", *spec.worker_flags]
         if not spec.use_gpu and "--num-threads" not in spec.worker_flags:
             with self._lock:
                 ranks = sum(self.desired[role] * spec.tp[role] for role in ROLES)
             flags += ["--num-threads", str(max(1, node["cpus"] // max(1, ranks)))]
         if r.tp > 1:
             flags += ["--tensor-parallel-size", str(r.tp),
-                      "--dist-init-address", f"{node['ip']}:{ray.get(r.hosts[0].free_port.remote())}"]
+                      "--dist-init-address", f"{host}:{ray.get(r.hosts[0].free_port.remote())}"]
         argvs = [[sys.executable, "-m", f"{r.role}_worker", *flags, *(["--tp-rank", str(i)] if r.tp > 1 else [])]
                  for i in range(r.tp)]
-        r.pids = ray.get([h.start.remote(argv, WORKER_READY_PREFIX, {}) for h, argv in zip(r.hosts, argvs)])
+        r.pids = ray.get([h.start.remote(argv, WORKER_READY_PREFIX, spec.secret_env()) for h, argv in zip(r.hosts, argvs)])
         deadline = time.monotonic() + spec.start_timeout_s
         infos: list[dict | None] = [None] * r.tp
         while not all(infos):

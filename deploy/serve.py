@@ -4,6 +4,11 @@ Runs in the user's shell process. ``serve`` checks what it can before touching R
 TP sizes, ports, memory), connects to the Ray cluster (or starts a local one), starts the
 controller actor (deploy/controller.py) and waits until every worker is serving. The other
 commands find the controller by name on the cluster at ``--address`` (default: the running one).
+
+``serve`` makes the deployment's cluster secret (or takes the operator's from
+``TANDEM_CLUSTER_SECRET`` / ``TANDEM_CLUSTER_SECRET_FILE``) and hands it to the controller, which
+gives it to the router and workers in their environment; it is never printed. On a one-node
+Ray cluster the workers' internal endpoints bind 127.0.0.1.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Any
 from engine.cli_args import add_config_args, config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.serving.config import WorkerConfig
+from protos.auth import load_secret, new_secret
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
 
 logger = logging.getLogger(__name__)
@@ -282,7 +288,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
                          "stop it with `tandem down`")
     use_gpu = args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     alive_nodes = [n for n in ray.nodes() if n["Alive"]]
-    if not use_gpu and len(alive_nodes) == 1:
+    one_node = len(alive_nodes) == 1
+    if not use_gpu and one_node:
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
@@ -292,7 +299,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
                      worker_flags=knobs, router_flags=router_flags,
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
-                     start_timeout_s=args.start_timeout_s)
+                     start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
+                     internal_host="127.0.0.1" if one_node else "")
     controller = Controller.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(

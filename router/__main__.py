@@ -1,7 +1,8 @@
 """Entry point: ``python -m router --model NAME --prefill ADDR --decode ADDR ...`` (see ``--help``).
 
 Prints ``TANDEM_ROUTER_READY {"http": "host:port", "grpc": "host:port"}`` when both servers
-listen, then serves until SIGINT/SIGTERM.
+listen, then serves until SIGINT/SIGTERM. Needs the deployment's cluster secret in the
+environment (TANDEM_CLUSTER_SECRET or TANDEM_CLUSTER_SECRET_FILE, see protos/auth.py).
 """
 from __future__ import annotations
 
@@ -55,7 +56,11 @@ async def serve(config: RouterConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    router = Router(config)
+    try:
+        router = Router(config)
+    except ValueError as exc:   # no or a bad cluster secret
+        print(f"router: error: {exc}", file=sys.stderr)
+        return 2
     try:
         await router.start()
     except OSError as exc:

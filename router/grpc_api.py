@@ -69,20 +69,6 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         return tandem_pb2.GetClusterResponse(workers=[tandem_pb2.WorkerStatus(**w)
                                                       for w in cluster_view(self.frontend.registry)])
 
-    async def RegisterWorker(self, request, context):
-        try:
-            self.frontend.registry.add(request.role, request.address)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return tandem_pb2.RegisterWorkerResponse()
-
-    async def DeregisterWorker(self, request, context):
-        registry = self.frontend.registry
-        if request.drain:
-            return tandem_pb2.DeregisterWorkerResponse(found=registry.drain(request.address))
-        found = await registry.remove(request.address, "deregistered by RPC")
-        return tandem_pb2.DeregisterWorkerResponse(found=found)
-
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Refuses Tandem calls without ``authorization: Bearer KEY`` metadata."""

@@ -10,6 +10,11 @@ engine thread dead (all UNAVAILABLE) -- on ``max_missed`` heartbeats in a row, o
 probe after a request broke on it. Listeners (the dispatcher) hear about a removal and fail its
 requests over. A joining worker is never removed, so the router may start before its workers. ``drain`` (scale-down) stops routing new requests to a
 worker while its in-flight ones finish; the controller removes it once ``num_inflight`` is 0.
+
+Every call to a worker carries the deployment's cluster secret (protos/auth.py). A worker that
+refuses it, or whose Stats answer shows another model than the router's (a worker that reports a
+``fingerprint`` is compared by its ``model``), is not routable: it stays joining (or stops
+being healthy) and the log says why, once.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from protos.auth import SecretStub
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -30,6 +36,7 @@ MAX_MESSAGE_BYTES = 64 << 20
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),
                      ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0)]
 GONE = frozenset({grpc.StatusCode.UNAVAILABLE})   # the only codes that say a worker is not there
+REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
 @dataclass(eq=False)
@@ -37,7 +44,7 @@ class WorkerState:
     role: str
     address: str
     channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub
+    stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub | SecretStub
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False              # answered since it joined and has not been removed
     missed: int = 0                    # heartbeats in a row that found the worker gone
@@ -46,6 +53,7 @@ class WorkerState:
     num_requests: int = 0              # requests the router sent it since it registered
     removed: bool = False
     draining: bool = False             # routable no more; kept until its in-flight requests end
+    refused: str = ""                  # why it cannot be routed to (wrong secret, other model); logged once
     _probe: asyncio.Task | None = field(default=None, repr=False)
 
     @property
@@ -61,7 +69,11 @@ class WorkerState:
 
 class WorkerRegistry:
     def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 2.0,
-                 max_missed: int = 2) -> None:
+                 max_missed: int = 2, *, secret: str | None = None, model: str = "") -> None:
+        """``secret``: sent on every call to a worker (None: none, for fake workers in tests);
+        ``model``: the router's model -- a worker that serves another one is refused."""
+        self._secret = secret
+        self.model = model
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_missed = max_missed
@@ -90,7 +102,8 @@ class WorkerRegistry:
         channel = grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                               *KEEPALIVE_OPTIONS])
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
-        worker = self._workers[address] = WorkerState(role, address, channel, stub_cls(channel))
+        stub = stub_cls(channel) if self._secret is None else SecretStub(stub_cls(channel), self._secret)
+        worker = self._workers[address] = WorkerState(role, address, channel, stub)
         logger.info("registered %s worker %s", role, address)
         if self._task is not None:
             worker._probe = asyncio.get_running_loop().create_task(self.poll(worker))
@@ -160,6 +173,9 @@ class WorkerRegistry:
             if code in GONE:
                 worker.missed += 1
                 return f"{code.name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else code.name
+            if code in REFUSED:
+                self._refuse(worker, f"it refused the router's cluster secret ({code.name}: {exc.details()})")
+                return None
             worker.missed = 0
             worker.late += 1
             if worker.late == 1 and worker.healthy:
@@ -168,13 +184,31 @@ class WorkerRegistry:
             return None
         if worker.removed:
             return None
-        worker.stats, worker.missed, worker.late = stats, 0, 0
+        worker.missed, worker.late = 0, 0
+        mismatch = self._model_mismatch(stats)
+        if mismatch:
+            self._refuse(worker, mismatch)
+            return None
+        worker.stats = stats
         if not worker.healthy:
-            worker.healthy = True
+            worker.healthy, worker.refused = True, ""
             logger.info("%s worker %s is healthy (model %s, max_model_len %d)", worker.role, worker.address,
                         stats.model, stats.max_model_len)
             self._changed.set()
         return None
+
+    def _model_mismatch(self, stats: worker_pb2.StatsResponse) -> str:
+        # Real workers report a fingerprint; in-process fakes (router/fake_workers.py) do not.
+        if not self.model or not stats.fingerprint or same_model(stats.model, self.model):
+            return ""
+        return f"it serves model {stats.model!r} ({stats.fingerprint}) but this router serves {self.model!r}"
+
+    def _refuse(self, worker: WorkerState, reason: str) -> None:
+        """Keep ``worker`` out of routing (a healthy one stops taking requests); log it once."""
+        if worker.refused != reason:
+            logger.error("%s worker %s is not routable: %s", worker.role, worker.address, reason)
+        worker.refused, worker.healthy = reason, False
+        self._changed.set()
 
     async def probe(self, address: str) -> bool:
         """Check a worker a request found broken; remove it at once if it is gone (a slow
@@ -220,3 +254,9 @@ class WorkerRegistry:
         for worker in self._workers.values():
             await worker.channel.close()
         self._workers.clear()
+
+
+def same_model(a: str, b: str) -> bool:
+    """Two ``--model`` values name the same model: equal, or the same file or directory name
+    (the router and a worker on another host may see one checkpoint under different paths)."""
+    return a == b or a.rstrip("/").rsplit("/", 1)[-1] == b.rstrip("/").rsplit("/", 1)[-1]

@@ -1,5 +1,8 @@
-"""The router process's servers: grpc.aio (Tandem + health + reflection) and uvicorn on ONE loop.
+"""The router process's servers: grpc.aio (Tandem + Admin + health + reflection) and uvicorn on ONE loop.
 
+The public Tandem service takes the tenants' API key; the Admin service (membership) and every
+call the router makes to its workers take the deployment's cluster secret (protos/auth.py),
+given to ``Router`` or read from the environment -- a router without one does not start.
 ``Router(config)`` builds tokenizer, registry, policies, dispatcher and both APIs; ``start()``
 binds (ports may be 0), starts heartbeats and both servers; ``stop()`` stops everything it
 started and is safe to call twice. Tests run it in-process; ``python -m router`` runs it.
@@ -17,7 +20,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.tokenizer import Tokenizer
-from protos.tandem.v1 import tandem_pb2_grpc
+from protos.auth import SecretInterceptor, require_secret
+from protos.tandem.v1 import admin_pb2_grpc, tandem_pb2_grpc
+from router.admin_api import SERVICE_NAME as ADMIN_SERVICE_NAME
+from router.admin_api import AdminServicer
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Frontend
@@ -37,8 +43,11 @@ class _UvicornServer(uvicorn.Server):
 
 
 class Router:
-    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
+    def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None,
+                 cluster_secret: str | None = None) -> None:
+        """``cluster_secret``: the deployment's (default: from the environment, see protos/auth.py)."""
         self.config = config
+        self._secret = cluster_secret or require_secret("the router")
         self.tokenizer = tokenizer or Tokenizer.from_model(config.model)
         self.http_address = ""
         self.grpc_address = ""
@@ -49,7 +58,8 @@ class Router:
 
     async def start(self) -> Router:
         c = self.config
-        self.registry = WorkerRegistry(c.heartbeat_interval_s, c.heartbeat_timeout_s, c.max_missed_heartbeats)
+        self.registry = WorkerRegistry(c.heartbeat_interval_s, c.heartbeat_timeout_s, c.max_missed_heartbeats,
+                                       secret=self._secret, model=c.model)
         self.dispatcher = Dispatcher(self.registry, make_policy(c.prefill_policy), make_policy(c.decode_policy),
                                      c.max_attempts, c.rpc_timeout_s, on_failover=lambda _: self.metrics.failovers.inc(),
                                      failover_wait_s=c.failover_wait_s)
@@ -68,13 +78,17 @@ class Router:
 
     async def _start_grpc(self) -> None:
         c = self.config
-        interceptors = [ApiKeyInterceptor(c.api_key)] if c.api_key else []
+        interceptors = [SecretInterceptor(self._secret, [ADMIN_SERVICE_NAME], missing=grpc.StatusCode.PERMISSION_DENIED)]
+        if c.api_key:
+            interceptors.append(ApiKeyInterceptor(c.api_key))
         server = self._grpc = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.frontend), server)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.registry), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+        reflection.enable_server_reflection([SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME,
+                                             reflection.SERVICE_NAME], server)
         port = server.add_insecure_port(f"{c.host}:{c.grpc_port}")
         if port == 0:
             raise OSError(f"cannot bind gRPC to {c.host}:{c.grpc_port}")
@@ -89,7 +103,7 @@ class Router:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((c.host, c.http_port))
         sock.set_inheritable(True)
-        app = create_app(self.frontend, c.api_key)
+        app = create_app(self.frontend, c)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, backlog=2048)
         self._http = _UvicornServer(config)

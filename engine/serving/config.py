@@ -1,9 +1,14 @@
-"""Worker process settings (both roles); CLI flags map 1:1 onto the fields."""
+"""Worker process settings (both roles); CLI flags map 1:1 onto the fields but one.
+
+``cluster_secret`` has no flag: a secret on a command line is visible to every user of the host
+(ps, /proc/PID/cmdline), so it comes from the environment (protos/auth.py, engine/serving/process.py).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KV_BACKENDS = ("auto", "shm", "tcp", "fake")
+NOT_FLAGS = ("cluster_secret",)
 
 
 @dataclass(frozen=True)
@@ -15,6 +20,8 @@ class WorkerConfig:
     kv_lease_s: float = 30.0         # a transfer with no sender activity this long fails
     log_interval_s: float = 5.0      # period of the "Prefill batch." / "Decode batch." lines
     num_threads: int = 0             # torch CPU threads; 0 keeps torch's default
+    # Every internal gRPC call and kvtransfer connection proves it; never printed (repr=False).
+    cluster_secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -1,4 +1,9 @@
-"""A grpc.aio server with health checking and reflection, so `grpcurl` works against it."""
+"""A worker's grpc.aio server: its services behind the cluster secret, plus health and reflection.
+
+Runs in the worker processes. Every call to the role's services must carry the deployment's
+cluster secret (protos/auth.py); health and reflection stay open, so load balancers and
+`grpcurl` work against it.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -7,14 +12,17 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from protos.auth import SecretInterceptor
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 
 async def start_server(host: str, port: int, register: Sequence[Callable[[grpc.aio.Server], None]],
-                       service_names: Sequence[str]) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+                       service_names: Sequence[str], secret: str) -> tuple[grpc.aio.Server, int, health.HealthServicer]:
+    """Serve ``register``'s services on ``host:port`` (0 picks one), each call checked for ``secret``."""
     # Clients (the router) send HTTP/2 keepalive pings every 10 s to tell a frozen or vanished
     # worker from a busy one; answer them instead of closing the connection for "too many pings".
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    server = grpc.aio.server(interceptors=[SecretInterceptor(secret, service_names)], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.keepalive_permit_without_calls", 1),
                                       ("grpc.http2.min_ping_interval_without_data_ms", 5_000)])

@@ -9,6 +9,10 @@ rank joined and loaded its shard) and ``--tp-rank r > 0`` is a follower: no gRPC
 0's steps and its own side of kvtransfer (the role's ``follow``), prints the same READY line
 with ``"grpc": null`` once joined, and exits on SIGTERM/SIGINT, on rank 0's stop, or (code 1)
 when rank 0 goes away.
+
+Every rank needs the deployment's cluster secret from the environment (``TANDEM_CLUSTER_SECRET``
+or ``TANDEM_CLUSTER_SECRET_FILE``, see protos/auth.py) and exits 2 without it: rank 0's gRPC
+refuses calls that do not carry it, and kvtransfer's CurveZMQ keys derive from it.
 """
 from __future__ import annotations
 
@@ -25,7 +29,8 @@ from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.serving.config import WorkerConfig
+from engine.serving.config import NOT_FLAGS, WorkerConfig
+from protos.auth import require_secret
 
 logger = logging.getLogger(__name__)
 READY_PREFIX = "TANDEM_WORKER_READY "
@@ -47,7 +52,7 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"python -m {role}_worker",
                                      description=f"Tandem {role} worker: engine + gRPC + kvtransfer + /metrics")
     parser.add_argument("--log-level", default="INFO")
-    add_config_args(parser, WorkerConfig)
+    add_config_args(parser, WorkerConfig, skip=NOT_FLAGS)
     add_config_args(parser, ModelConfig)
     add_config_args(parser, CacheConfig)
     add_config_args(parser, SchedulerConfig)
@@ -66,7 +71,7 @@ def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = N
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
                         format=f"%(asctime)s %(levelname)s {role} %(name)s: %(message)s", stream=sys.stderr)
     try:
-        worker = config_from_args(WorkerConfig, args)
+        worker = config_from_args(WorkerConfig, args, cluster_secret=require_secret(f"the {role} worker"))
         configs = (config_from_args(ModelConfig, args), config_from_args(CacheConfig, args),
                    config_from_args(SchedulerConfig, args))
         parallel = config_from_args(ParallelConfig, args)
@@ -112,7 +117,8 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
     metrics_port = parts.metrics.serve(worker.host, worker.metrics_port) if worker.metrics_port >= 0 else None
     parts.loop.start()
     try:
-        server, port, health_servicer = await start_server(worker.host, worker.port, parts.register, parts.service_names)
+        server, port, health_servicer = await start_server(worker.host, worker.port, parts.register, parts.service_names,
+                                                           worker.cluster_secret)
     except OSError as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         parts.loop.stop()

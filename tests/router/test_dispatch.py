@@ -8,12 +8,18 @@ import httpx
 import msgpack
 import pytest
 
-from protos.tandem.v1 import tandem_pb2, worker_pb2
+from protos.auth import SecretStub, require_secret
+from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc, worker_pb2
 from router.client import AsyncTandemClient
 from router.config import RouterConfig
 from router.fake_workers import FakeDecode, FakeWorker, fake_completion
 from router.server import Router
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+
+
+def admin_stub(channel) -> SecretStub:
+    """The router's admin service, called as the controller does: with the cluster secret."""
+    return SecretStub(admin_pb2_grpc.AdminStub(channel), require_secret("the test"))
 
 
 def run(loop_thread, tokenizer, body, timeout_s: float = 60.0, **cluster_options):
@@ -98,16 +104,16 @@ def test_register_and_deregister_rpcs_change_membership(loop_thread, tokenizer):
         extra = await FakeWorker("decode").start()
         try:
             stub_call = cluster.router.registry
-            from protos.tandem.v1 import tandem_pb2_grpc
             import grpc
             async with grpc.aio.insecure_channel(cluster.router.grpc_address) as channel:
                 stub = tandem_pb2_grpc.TandemStub(channel)
-                await stub.RegisterWorker(tandem_pb2.RegisterWorkerRequest(role="decode", address=extra.address))
+                admin = admin_stub(channel)
+                await admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="decode", address=extra.address))
                 await until(lambda: len(stub_call.healthy("decode")) == 2)
                 with pytest.raises(grpc.aio.AioRpcError) as bad:
-                    await stub.RegisterWorker(tandem_pb2.RegisterWorkerRequest(role="judge", address="a:1"))
+                    await admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="judge", address="a:1"))
                 assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                found = await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=extra.address))
+                found = await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=extra.address))
                 assert found.found and len(stub_call.healthy("decode")) == 1
                 cluster_view = await stub.GetCluster(tandem_pb2.GetClusterRequest())
                 assert extra.address not in {w.address for w in cluster_view.workers}
@@ -119,18 +125,17 @@ def test_register_and_deregister_rpcs_change_membership(loop_thread, tokenizer):
 def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_thread, tokenizer):
     async def body(cluster):
         import grpc
-        from protos.tandem.v1 import tandem_pb2_grpc
 
         first, second = cluster.decodes
         registry = cluster.router.registry
         registry.get(second.address).num_inflight = 1000       # least_load picks `first`
         async with AsyncTandemClient(cluster.router.grpc_address) as client, \
                 grpc.aio.insecure_channel(cluster.router.grpc_address) as channel:
-            stub = tandem_pb2_grpc.TandemStub(channel)
+            stub, admin = tandem_pb2_grpc.TandemStub(channel), admin_stub(channel)
             stream = client.generate_stream([9, 8, 7], max_tokens=30)
             chunks = [await stream.__anext__()]                  # in flight on `first`
             assert registry.get(first.address).num_inflight == 1
-            reply = await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
+            reply = await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
             assert reply.found
             registry.get(second.address).num_inflight -= 1000
             view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest())).workers}
@@ -143,10 +148,10 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
             assert len(first.state.seen) == 1 and len(second.state.seen) == 1
             view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest())).workers}
             assert view[first.address].num_requests == 1 and view[second.address].num_requests == 1
-            assert (await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address=first.address))).found
+            assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address))).found
             assert registry.get(first.address) is None
-            assert not (await stub.DeregisterWorker(tandem_pb2.DeregisterWorkerRequest(address="nope:1",
-                                                                                       drain=True))).found
+            assert not (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address="nope:1",
+                                                                                        drain=True))).found
     run(loop_thread, tokenizer, body, num_decode=2, decode_options={"token_interval_s": 0.02})
 
 

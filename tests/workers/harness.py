@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from deploy.launch import WorkerProcess, WorkerStartError
+from protos.auth import SecretClientInterceptor, require_secret
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,9 @@ class Worker(WorkerProcess):
             self._stderr.close()
             raise WorkerStartError(f"{exc}\nstderr:\n{self.stderr()}") from None
         if info.get("grpc"):
-            self.channel = grpc.insecure_channel(self.grpc)
+            # Every call carries the session's cluster secret (tests/conftest.py), as the router's do.
+            self.channel = grpc.intercept_channel(grpc.insecure_channel(self.grpc),
+                                                  SecretClientInterceptor(require_secret("the test harness")))
         return info
 
     @property

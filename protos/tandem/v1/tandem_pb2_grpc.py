@@ -54,16 +54,6 @@ class TandemStub:
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.GetClusterRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.GetClusterResponse.FromString,
                 _registered_method=True)
-        self.RegisterWorker = channel.unary_unary(
-                '/tandem.v1.Tandem/RegisterWorker',
-                request_serializer=tandem_dot_v1_dot_tandem__pb2.RegisterWorkerRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_tandem__pb2.RegisterWorkerResponse.FromString,
-                _registered_method=True)
-        self.DeregisterWorker = channel.unary_unary(
-                '/tandem.v1.Tandem/DeregisterWorker',
-                request_serializer=tandem_dot_v1_dot_tandem__pb2.DeregisterWorkerRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_tandem__pb2.DeregisterWorkerResponse.FromString,
-                _registered_method=True)
 
 
 class TandemServicer:
@@ -93,19 +83,6 @@ class TandemServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def RegisterWorker(self, request, context):
-        """Membership, for the controller: add a worker / drain or remove one.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def DeregisterWorker(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_TandemServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,16 +105,6 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.GetCluster,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.GetClusterRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.GetClusterResponse.SerializeToString,
-            ),
-            'RegisterWorker': grpc.unary_unary_rpc_method_handler(
-                    servicer.RegisterWorker,
-                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.RegisterWorkerRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_tandem__pb2.RegisterWorkerResponse.SerializeToString,
-            ),
-            'DeregisterWorker': grpc.unary_unary_rpc_method_handler(
-                    servicer.DeregisterWorker,
-                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.DeregisterWorkerRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_tandem__pb2.DeregisterWorkerResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -248,60 +215,6 @@ class Tandem:
             '/tandem.v1.Tandem/GetCluster',
             tandem_dot_v1_dot_tandem__pb2.GetClusterRequest.SerializeToString,
             tandem_dot_v1_dot_tandem__pb2.GetClusterResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def RegisterWorker(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Tandem/RegisterWorker',
-            tandem_dot_v1_dot_tandem__pb2.RegisterWorkerRequest.SerializeToString,
-            tandem_dot_v1_dot_tandem__pb2.RegisterWorkerResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def DeregisterWorker(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.Tandem/DeregisterWorker',
-            tandem_dot_v1_dot_tandem__pb2.DeregisterWorkerRequest.SerializeToString,
-            tandem_dot_v1_dot_tandem__pb2.DeregisterWorkerResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -65,14 +65,16 @@ class SubmitResponse(_message.Message):
     def __init__(self, num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class SetDestinationRequest(_message.Message):
-    __slots__ = ("request_id", "block_ids", "region_descriptor")
+    __slots__ = ("request_id", "block_ids", "region_descriptor", "fingerprint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     REGION_DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     region_descriptor: bytes
-    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., region_descriptor: _Optional[bytes] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, request_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., region_descriptor: _Optional[bytes] = ..., fingerprint: _Optional[str] = ...) -> None: ...
 
 class SetDestinationResponse(_message.Message):
     __slots__ = ()
@@ -133,7 +135,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("role", "num_running", "num_waiting", "num_preallocated", "num_transferring", "kv_blocks_used", "kv_blocks_total", "prompt_tokens_per_s", "gen_tokens_per_s", "prefix_cache_queries", "prefix_cache_hits", "num_retractions", "model", "max_model_len")
+    __slots__ = ("role", "num_running", "num_waiting", "num_preallocated", "num_transferring", "kv_blocks_used", "kv_blocks_total", "prompt_tokens_per_s", "gen_tokens_per_s", "prefix_cache_queries", "prefix_cache_hits", "num_retractions", "model", "max_model_len", "fingerprint")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +150,7 @@ class StatsResponse(_message.Message):
     NUM_RETRACTIONS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     role: str
     num_running: int
     num_waiting: int
@@ -162,4 +165,5 @@ class StatsResponse(_message.Message):
     num_retractions: int
     model: str
     max_model_len: int
-    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preallocated: _Optional[int] = ..., num_transferring: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., gen_tokens_per_s: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_retractions: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    fingerprint: str
+    def __init__(self, role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_preallocated: _Optional[int] = ..., num_transferring: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prompt_tokens_per_s: _Optional[float] = ..., gen_tokens_per_s: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_retractions: _Optional[int] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
