@@ -42,6 +42,9 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(REPO_ROOT)
 
 from deploy.launch import WorkerProcess  # noqa: E402
+from protos.auth import SECRET_ENV, SecretStub, new_secret, require_secret  # noqa: E402
+
+os.environ.setdefault(SECRET_ENV, new_secret())   # the workers it starts inherit this deployment's secret
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,9 @@ async def _drive_workers(specs: list[RequestSpec], addresses: dict[str, str], ti
 
     async with grpc.aio.insecure_channel(addresses["prefill"]) as p_ch, \
             grpc.aio.insecure_channel(addresses["decode"]) as d_ch:
-        stubs = (worker_pb2_grpc.PrefillWorkerStub(p_ch), worker_pb2_grpc.DecodeWorkerStub(d_ch))
+        secret = require_secret("the benchmark")
+        stubs = (SecretStub(worker_pb2_grpc.PrefillWorkerStub(p_ch), secret),
+                 SecretStub(worker_pb2_grpc.DecodeWorkerStub(d_ch), secret))
         warm = Trace(warmup)
         await _client_request(stubs, warmup, time.monotonic(), addresses["prefill"], addresses["decode"], warm)
         if warm.error or len(warm.token_s) != warmup.max_tokens:

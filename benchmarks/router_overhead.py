@@ -33,6 +33,7 @@ import grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from protos.auth import SECRET_ENV, new_secret  # noqa: E402
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.client import AsyncTandemClient  # noqa: E402
 
@@ -204,7 +205,8 @@ def main() -> int:
     if args.serve_forwarder:
         run(serve_forwarder(*args.serve_forwarder))
         return 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # The router needs a cluster secret; the fake workers check none.
+    env = {SECRET_ENV: new_secret(), **os.environ, "PYTHONPATH": str(ROOT)}
     fakes = subprocess.Popen([sys.executable, __file__, "--serve-fakes", "--pace-ms", str(args.pace_ms)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT, env=env)
     router = None
