@@ -173,6 +173,24 @@ def record_failure(r: Replica, error: str, now: float, config_error: bool = Fals
         logger.warning("%s failed %d times in a row; next start in %.0f s: %s", r.id, r.failures, delay, error)
 
 
+def worker_argvs(spec: ServeSpec, role: str, tp: int, node: dict[str, Any], num_ranks: int,
+                 dist_port: int | None) -> list[list[str]]:
+    """The command line of each rank of a ``role`` replica on ``node`` (``ProcessHost.node``).
+
+    Internal endpoints -- gRPC, /metrics, kvtransfer and the TP store -- bind
+    ``spec.internal_host`` (127.0.0.1 on a one-node cluster), else the node's address. The
+    cluster secret is not here: it travels in the environment (``ServeSpec.secret_env``).
+    """
+    host = spec.internal_host or node["ip"]
+    flags = ["--model", spec.model, "--host", host, "--port", "0", *spec.worker_flags]
+    if not spec.use_gpu and "--num-threads" not in spec.worker_flags:
+        flags += ["--num-threads", str(max(1, node["cpus"] // max(1, num_ranks)))]
+    if tp > 1:
+        flags += ["--tensor-parallel-size", str(tp), "--dist-init-address", f"{host}:{dist_port}"]
+    return [[sys.executable, "-m", f"{role}_worker", *flags, *(["--tp-rank", str(i)] if tp > 1 else [])]
+            for i in range(tp)]
+
+
 def remote_error(exc: BaseException, kinds: tuple[str, ...] = ("WorkerStartError",)) -> str:
     """The message of the first of ``kinds`` an exception from a Ray call carries (a
     RayTaskError's text repeats the remote traceback), else its whole text."""
@@ -501,17 +519,10 @@ class Controller:
                    for i in range(r.tp)]
         node = ray.get(r.hosts[0].node.remote())
         r.node = node["ip"]
-        host = spec.internal_host or node["ip"]
-        flags = ["--model", spec.model, "--host", host, "--port", "0", *spec.worker_flags]
-        if not spec.use_gpu and "--num-threads" not in spec.worker_flags:
-            with self._lock:
-                ranks = sum(self.desired[role] * spec.tp[role] for role in ROLES)
-            flags += ["--num-threads", str(max(1, node["cpus"] // max(1, ranks)))]
-        if r.tp > 1:
-            flags += ["--tensor-parallel-size", str(r.tp),
-                      "--dist-init-address", f"{host}:{ray.get(r.hosts[0].free_port.remote())}"]
-        argvs = [[sys.executable, "-m", f"{r.role}_worker", *flags, *(["--tp-rank", str(i)] if r.tp > 1 else [])]
-                 for i in range(r.tp)]
+        with self._lock:
+            ranks = sum(self.desired[role] * spec.tp[role] for role in ROLES)
+        dist_port = ray.get(r.hosts[0].free_port.remote()) if r.tp > 1 else None
+        argvs = worker_argvs(spec, r.role, r.tp, node, ranks, dist_port)
         r.pids = ray.get([h.start.remote(argv, WORKER_READY_PREFIX, spec.secret_env()) for h, argv in zip(r.hosts, argvs)])
         deadline = time.monotonic() + spec.start_timeout_s
         infos: list[dict | None] = [None] * r.tp

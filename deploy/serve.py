@@ -248,6 +248,12 @@ def _controller():
         raise ServeError("no Tandem deployment is running on this Ray cluster (start one with `tandem serve`)") from None
 
 
+def internal_host(num_nodes: int) -> str:
+    """Where workers bind their internal endpoints: loopback when the whole deployment is on one
+    node (nothing else needs to reach them), else "" (each node's own address)."""
+    return "127.0.0.1" if num_nodes == 1 else ""
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -288,8 +294,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
                          "stop it with `tandem down`")
     use_gpu = args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     alive_nodes = [n for n in ray.nodes() if n["Alive"]]
-    one_node = len(alive_nodes) == 1
-    if not use_gpu and one_node:
+    if not use_gpu and len(alive_nodes) == 1:
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
@@ -300,7 +305,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
-                     internal_host="127.0.0.1" if one_node else "")
+                     internal_host=internal_host(len(alive_nodes)))
     controller = Controller.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
