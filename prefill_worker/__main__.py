@@ -36,7 +36,8 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
 
 
 def follow(worker, runner: ModelRunner) -> PrefillRank:
-    return PrefillRank(runner.kv_pool.tensor, runner.group.rank, runner.group.size, worker.kv_backend)
+    return PrefillRank(runner.kv_pool.tensor, runner.group.rank, runner.group.size, worker.kv_backend,
+                       stall_s=worker.kv_lease_s)
 
 
 if __name__ == "__main__":

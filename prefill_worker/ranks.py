@@ -20,10 +20,17 @@ follower that still cannot open its region records a failed transfer instead of 
 write or notify that fails -- refused by the sender, or failed while it ran -- fails its request
 alone: the failure is recorded as that request's result, and the request is cancelled at its
 sender, which stops renewing its lease and tells the decode worker to free the blocks.
+
+Senders are cached per decode region and evicted (closed, their queued ops failed) when they
+stall -- ops outstanding and none finished for ``stall_s``, as when the decode worker died and
+its socket stopped draining -- or when no request has used them for ``stall_s``, so a dead
+decode worker's pool is not kept mapped and no thread keeps heartbeating into the void.
 """
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -37,6 +44,16 @@ logger = logging.getLogger(__name__)
 POLL_FIELDS = 2   # all done, none failed
 
 
+class _SenderUse:
+    """Ops outstanding on one cached sender and when it last made progress (any thread)."""
+
+    __slots__ = ("outstanding", "progress_s")
+
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.progress_s = time.monotonic()   # last op finished, first op queued, or last opened
+
+
 def payload_to_wire(p: kvtransfer.NotifyPayload) -> list[Any]:
     return [p.first_token_id, p.first_logprob, [list(t) for t in p.top_logprobs], p.num_prompt_tokens,
             p.num_cached_tokens]
@@ -48,7 +65,7 @@ def payload_from_wire(w: list[Any]) -> kvtransfer.NotifyPayload:
 
 class PrefillRank(RoleHandler):
     def __init__(self, pool: torch.Tensor, tp_rank: int, tp_size: int, backend: str,
-                 fabric: kvtransfer.FakeFabric | None = None) -> None:
+                 fabric: kvtransfer.FakeFabric | None = None, stall_s: float = 30.0) -> None:
         self.pool = pool
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layout = kvtransfer.KVLayout.of_pool(pool, tp_rank=tp_rank)
@@ -57,6 +74,9 @@ class PrefillRank(RoleHandler):
         self.senders: dict[bytes, kvtransfer.Sender] = {}
         self.requests: dict[str, kvtransfer.Sender] = {}    # request_id -> its open sender
         self.futures: dict[str, list[Future]] = {}
+        self.stall_s = stall_s
+        self._use: dict[kvtransfer.Sender, _SenderUse] = {}   # per cached sender
+        self._use_lock = threading.Lock()                  # done-callbacks run on sender threads
 
     # -- ops ---------------------------------------------------------------------------------
     def apply(self, ops: list[Any]) -> list[int]:
@@ -64,6 +84,7 @@ class PrefillRank(RoleHandler):
         for op in ops:
             name, args = op[0], op[1:]
             if name == "open":
+                self._evict_stalled()
                 self._open(*args)
             elif name == "write":
                 self.write(*args)
@@ -72,13 +93,17 @@ class PrefillRank(RoleHandler):
             elif name == "cancel":
                 sender = self.requests.get(args[0])
                 if sender is not None:
-                    sender.cancel(args[0], args[1])
+                    try:
+                        sender.cancel(args[0], args[1])
+                    except kvtransfer.SenderClosed:
+                        pass   # evicted: nothing of this request can be written any more
             elif name == "cancel_at":
                 self._cancel_at(*args)
             elif name == "forget":
                 self.requests.pop(args[0], None)
                 self.futures.pop(args[0], None)
             elif name == "poll":
+                self._evict_stalled()
                 for request_id in args[0]:
                     futures = self.futures.get(request_id, [])
                     reply += [int(all(f.done() for f in futures)),
@@ -116,7 +141,22 @@ class PrefillRank(RoleHandler):
         if sender is None:
             sender = kvtransfer.create_sender(descriptor, self.pool, self.layout, self.backend, fabric=self.fabric)
             self.senders[descriptor] = sender
+            self._use[sender] = _SenderUse()
         return sender
+
+    def _evict_stalled(self) -> None:
+        now = time.monotonic()
+        for key, sender in list(self.senders.items()):
+            use = self._use[sender]
+            with self._use_lock:
+                quiet_s, outstanding = now - use.progress_s, use.outstanding
+            in_use = any(s is sender for s in self.requests.values())
+            if quiet_s < self.stall_s or (in_use and not outstanding):
+                continue
+            logger.warning("evicting the kvtransfer sender to %s: %s for %.0f s", sender.descriptor.address,
+                           f"{outstanding} ops stalled" if outstanding else "unused", quiet_s)
+            del self.senders[key], self._use[sender]
+            sender.close()   # fails its queued ops (SenderClosed): their requests fail, blocks return
 
     def _open(self, request_id: str, descriptors: bytes, dst_block_ids: list[int]) -> None:
         try:
@@ -136,7 +176,7 @@ class PrefillRank(RoleHandler):
             return
         self.requests[request_id] = sender
         self.futures[request_id] = []
-        sender.open(request_id)
+        self._track(request_id, lambda s: s.open(request_id))
 
     def _cancel_at(self, descriptors: bytes, request_id: str, reason: str) -> None:
         try:
@@ -151,20 +191,29 @@ class PrefillRank(RoleHandler):
         sender = self.requests.get(request_id)
         if sender is None:   # this rank could not open the region (already failed)
             return
+        use = self._use.get(sender)   # None once evicted
         try:
             future = op(sender)
         except Exception as exc:  # refused before it was queued: fail this request, not the step
             logger.warning("kvtransfer op refused request_id=%s: %s", request_id, exc)
             future = Future()
             future.set_exception(exc)
-        future.add_done_callback(lambda f: self._on_done(sender, request_id, f))
+        if use is not None:
+            with self._use_lock:
+                if not use.outstanding:
+                    use.progress_s = time.monotonic()
+                use.outstanding += 1
+        future.add_done_callback(lambda f: self._on_done(sender, use, request_id, f))
         self.futures[request_id].append(future)
 
-    @staticmethod
-    def _on_done(sender: kvtransfer.Sender, request_id: str, future: Future) -> None:
-        """A failed op ends its request at the sender: no more lease renewals for it, and the
-        decode worker hears at once that the blocks will not be filled (runs on the sender's
-        thread, or here for an op refused up front)."""
+    def _on_done(self, sender: kvtransfer.Sender, use: _SenderUse | None, request_id: str, future: Future) -> None:
+        """Count the sender's progress; a failed op ends its request at the sender: no more
+        lease renewals for it, and the decode worker hears at once that the blocks will not be
+        filled (runs on the sender's thread, or here for an op refused up front)."""
+        if use is not None:
+            with self._use_lock:
+                use.outstanding -= 1
+                use.progress_s = time.monotonic()
         exc = future.exception()
         if exc is None or sender.is_cancelled(request_id):
             return
@@ -177,3 +226,4 @@ class PrefillRank(RoleHandler):
         for sender in self.senders.values():
             sender.close()
         self.senders.clear()
+        self._use.clear()
