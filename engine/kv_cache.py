@@ -20,7 +20,8 @@ from engine.capacity import capacity_lines  # noqa: F401 - logged at startup
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "tandem-kv-"   # then "<pid>-<random>": the owner's pid, so stale pools can be found
+SHM_PREFIX = "tandem-kv-"   # then "<pid>-<random>": the owner's pid, so stale pools can be found;
+#                            kvtransfer.region.POOL_NAME only opens names of this form (a test holds them together)
 
 
 def sweep_stale_pools(directory: Path = SHM_DIR) -> list[Path]:
@@ -79,7 +80,10 @@ class KVPool:
             self.shm_path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
             nbytes = numel * layout.dtype.itemsize
             try:
-                with open(self.shm_path, "wb") as handle:
+                # 0600: the pool holds every request's KV; only this user's processes may map it.
+                fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "wb") as handle:
+                    os.fchmod(fd, 0o600)   # whatever the umask
                     handle.truncate(nbytes)
                 storage = torch.from_file(str(self.shm_path), shared=True, size=numel, dtype=layout.dtype)
             except OSError as exc:

@@ -17,7 +17,8 @@ from .fake import FakeFabric, FakeSender
 from .layout import KVLayout, LayoutMismatchError
 from .messages import MessageError, NotifyPayload
 from .receiver import Receiver, ReceiverCore
-from .region import create_shm_pool, map_shm_pool, remove_shm_pool
+from .region import (POOL_NAME, check_pool_path, create_shm_pool, is_pool_path, map_shm_pool, pool_name,
+                     remove_shm_pool)
 from .sender import Sender, SenderClosed, TransferCancelled, ZmqSender
 from .server import CurveKeys, ZmqServer
 from .tracker import TransferResult, TransferStatus
@@ -25,11 +26,11 @@ from .tracker import TransferResult, TransferStatus
 BACKENDS = ("auto", "shm", "tcp", "cuda-ipc", "fake")
 
 __all__ = [
-    "BACKENDS", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
+    "BACKENDS", "POOL_NAME", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
     "MessageError", "NotifyPayload", "Receiver", "RegionDescriptor", "Sender", "SenderClosed",
-    "TransferCancelled", "TransferResult", "TransferStatus", "create_receiver", "create_sender",
-    "create_shm_pool", "join_descriptors", "map_shm_pool", "remove_shm_pool", "select_backend",
-    "split_descriptors",
+    "TransferCancelled", "TransferResult", "TransferStatus", "check_pool_path", "create_receiver",
+    "create_sender", "create_shm_pool", "join_descriptors", "map_shm_pool", "pool_name", "remove_shm_pool",
+    "select_backend", "split_descriptors",
 ]
 
 
@@ -87,8 +88,7 @@ def select_backend(descriptor: RegionDescriptor, src_pool: torch.Tensor) -> str:
     same_host = descriptor.host_id == local_host_id()
     if same_host and "cuda-ipc" in offered and src_pool.device.type == "cuda":
         return "cuda-ipc"
-    if (same_host and "shm" in offered and src_pool.device.type == "cpu"
-            and descriptor.shm_path and os.path.exists(descriptor.shm_path)):
+    if same_host and "shm" in offered and src_pool.device.type == "cpu" and is_pool_path(descriptor.shm_path):
         return "shm"
     if "tcp" in offered:
         return "tcp"

@@ -3,10 +3,17 @@
 The engine's CPU pool is a file in /dev/shm mapped with ``torch.from_file(shared=True)``; a
 same-host sender maps the same file to write blocks one-sidedly. These helpers make such pools
 for tests and benchmarks and map a receiver's pool from its descriptor.
+
+A descriptor's ``shm_path`` comes from another process, so it is never opened as given: only a
+regular file directly in the pool directory, named by ``POOL_NAME`` (the one definition of
+Tandem's pool names; engine/kv_cache.py makes its pools by it, tests/kvtransfer/test_shm_pools.py
+holds the two together), owned by this user and private (0600) is mapped (``check_pool_path``).
 """
 from __future__ import annotations
 
 import os
+import re
+import stat
 import uuid
 
 import torch
@@ -14,6 +21,39 @@ import torch
 from .layout import KVLayout
 
 SHM_DIR = "/dev/shm"
+POOL_PREFIX = "tandem-kv-"
+# "<prefix><owner pid>-<12 hex digits>": the pid lets a sweep find pools of dead processes.
+POOL_NAME = re.compile(re.escape(POOL_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{12}")
+
+
+def pool_name(pid: int | None = None) -> str:
+    """A fresh pool file name for process ``pid`` (default: this one)."""
+    return f"{POOL_PREFIX}{os.getpid() if pid is None else pid}-{uuid.uuid4().hex[:12]}"
+
+
+def check_pool_path(path: str, directory: str = SHM_DIR) -> str:
+    """``path`` if it is a Tandem pool: directly under ``directory``, named by ``POOL_NAME``, a
+    regular file (not a link) of this user with no group/other access. Else ValueError."""
+    name = os.path.basename(path)
+    if (os.path.dirname(os.path.normpath(path)) != os.path.normpath(directory)
+            or not POOL_NAME.fullmatch(name)):
+        raise ValueError(f"refusing to open {path!r}: not a Tandem KV pool (a file {directory}/"
+                         f"{POOL_PREFIX}<pid>-<12 hex digits>)")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise ValueError(f"KV pool {path} does not exist on this host") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ValueError(f"refusing to open {path!r}: a KV pool must be a regular file of this user "
+                         f"with mode 0600 (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})")
+    return path
+
+
+def is_pool_path(path: str | None, directory: str = SHM_DIR) -> bool:
+    try:
+        return path is not None and bool(check_pool_path(path, directory))
+    except ValueError:
+        return False
 
 
 def create_shm_pool(layout: KVLayout, num_blocks: int, directory: str = SHM_DIR,
@@ -24,17 +64,23 @@ def create_shm_pool(layout: KVLayout, num_blocks: int, directory: str = SHM_DIR,
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    path = os.path.join(directory, name or f"tandem-kv-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+    name = name or pool_name()
+    if not POOL_NAME.fullmatch(name):
+        raise ValueError(f"pool name {name!r} does not match {POOL_NAME.pattern}: use pool_name()")
+    path = os.path.join(directory, name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        os.fchmod(fd, 0o600)   # whatever the umask
         os.ftruncate(fd, layout.pool_nbytes(num_blocks))
     finally:
         os.close(fd)
-    return map_shm_pool(layout, num_blocks, path), path
+    return map_shm_pool(layout, num_blocks, path, directory), path
 
 
-def map_shm_pool(layout: KVLayout, num_blocks: int, path: str) -> torch.Tensor:
-    """Map an existing pool file; refuses a file whose size does not match the layout."""
+def map_shm_pool(layout: KVLayout, num_blocks: int, path: str, directory: str = SHM_DIR) -> torch.Tensor:
+    """Map an existing pool file; refuses what ``check_pool_path`` refuses and a file whose
+    size does not match the layout."""
+    check_pool_path(path, directory)
     expected = layout.pool_nbytes(num_blocks)
     actual = os.stat(path).st_size
     if actual != expected:

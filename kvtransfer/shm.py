@@ -1,11 +1,10 @@
 """shm backend: one-sided writes into a same-host receiver's /dev/shm pool (sender process).
 
 The sender maps the receiver's pool file and copies blocks straight into the destination;
-only a small ``WriteDone`` message goes over ZeroMQ, after the bytes have landed.
+only a small ``WriteDone`` message goes over ZeroMQ, after the bytes have landed. The path is
+checked to be a Tandem pool before it is mapped (``region.check_pool_path``).
 """
 from __future__ import annotations
-
-import os
 
 from .blockcopy import copy_blocks
 from .descriptor import local_host_id
@@ -20,7 +19,7 @@ class ShmWriter:
         d = sender.descriptor
         if "shm" not in d.transports or not d.shm_path:
             raise ValueError("receiver does not offer the shm transport")
-        if d.host_id != local_host_id() or not os.path.exists(d.shm_path):
+        if d.host_id != local_host_id():
             raise ValueError(f"shm pool {d.shm_path} is not on this host; use tcp")
         if sender.src_pool.device.type != "cpu":
             raise ValueError("shm needs a CPU source pool; use cuda-ipc or tcp")
