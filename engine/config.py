@@ -5,10 +5,10 @@ One dataclass per component; CLI flags map 1:1 onto these fields. Validation hap
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-MAX_LOGPROBS = 20
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "lpm")
@@ -142,6 +142,77 @@ class ParallelConfig:
         return int(self.dist_init_address.rpartition(":")[2])
 
 
+class InvalidSamplingError(ValueError):
+    """A sampling value out of range; ``param`` names the field (OpenAI's error ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 128
+MIN_TEMPERATURE = 1e-2          # 0 < temperature below this is raised to it (logits / tiny overflow)
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)   # positive logits are divided by it: a tiny one overflows
+_FLOAT32_MAX = 3.4028234663852886e38
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+
+
+def _require(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise InvalidSamplingError(param, f"{param} must {message}")
+
+
+def _finite32(value: float) -> bool:
+    # The engine computes in float32: a finite double beyond its range becomes inf there.
+    return math.isfinite(value) and abs(value) <= _FLOAT32_MAX
+
+
+def clamp_temperature(temperature: float) -> float:
+    """vLLM's rule: a positive temperature below MIN_TEMPERATURE (denormals included) samples
+    as MIN_TEMPERATURE, since dividing logits by it would overflow to inf."""
+    return MIN_TEMPERATURE if 0.0 < temperature < MIN_TEMPERATURE else temperature
+
+
+def check_sampling(*, temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                   min_p: float | None = None, repetition_penalty: float | None = None,
+                   presence_penalty: float | None = None, frequency_penalty: float | None = None,
+                   seed: int | None = None, max_tokens: int | None = None, logprobs: int | None = None,
+                   stop_token_ids=(), vocab_size: int | None = None) -> None:
+    """Every range check on sampling values, in one place for the engine and the router (which
+    imports this torch-free module). None means "not given". Raises InvalidSamplingError whose
+    message starts with ``"<field> must"``."""
+    if temperature is not None:
+        _require(temperature >= 0.0, "temperature", f"be >= 0, got {temperature}")   # NaN fails too
+        _require(_finite32(temperature), "temperature", f"be a finite float32, got {temperature}")
+    if top_p is not None:
+        _require(0.0 < top_p <= 1.0, "top_p", f"be in (0, 1], got {top_p}")
+    if top_k is not None:
+        _require(-1 <= top_k <= _INT32_MAX, "top_k", f"be -1, 0 (disabled) or a positive count, got {top_k}")
+    if min_p is not None:
+        _require(0.0 <= min_p <= 1.0, "min_p", f"be in [0, 1], got {min_p}")
+    if repetition_penalty is not None:
+        low, high = REPETITION_PENALTY_RANGE
+        _require(low <= repetition_penalty <= high, "repetition_penalty",
+                 f"be in [{low}, {high}], got {repetition_penalty}")
+    for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if value is not None:
+            _require(-2.0 <= value <= 2.0, name, f"be in [-2, 2], got {value}")
+    if seed is not None:
+        _require(0 <= seed <= _INT64_MAX, "seed", f"be in [0, 2**63), got {seed}")
+    if max_tokens is not None:
+        _require(max_tokens >= 1, "max_tokens", f"be >= 1, got {max_tokens}")
+        _require(max_tokens <= _INT32_MAX, "max_tokens", f"be < 2**31, got {max_tokens}")
+    if logprobs is not None:
+        _require(0 <= logprobs <= MAX_LOGPROBS, "logprobs", f"be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    _require(len(stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
+             f"hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
+    limit = _INT64_MAX + 1 if vocab_size is None else vocab_size
+    bad = next((t for t in stop_token_ids if not 0 <= t < limit), None)
+    _require(bad is None, "stop_token_ids", f"be token ids in [0, {limit}), got {bad}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (OpenAI / vLLM semantics).
@@ -164,27 +235,12 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or a positive count, got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                       repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=self.max_tokens,
+                       logprobs=self.logprobs, stop_token_ids=self.stop_token_ids)
+        object.__setattr__(self, "temperature", clamp_temperature(self.temperature))
 
     @property
     def greedy(self) -> bool:

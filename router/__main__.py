@@ -31,7 +31,17 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""), help="or TANDEM_API_KEY")
     p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
     p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting, help="waiting requests before 429")
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="sub-requests (prompts x n) waiting for their first token before 429")
+    p.add_argument("--max-sub-requests", type=int, default=d.max_sub_requests,
+                   help="most prompts x n in one request (more is a 400)")
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="most characters in a text prompt or in all chat messages together")
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="largest HTTP request body (413 beyond it, before parsing)")
+    p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
+                   help="HTTP Host headers to answer (host or host:port; defends against DNS rebinding "
+                        "when no API key is set); empty = any")
     p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     p.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     p.add_argument("--max-missed-heartbeats", type=int, default=d.max_missed_heartbeats)
@@ -46,6 +56,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         http_port=args.http_port, grpc_port=args.grpc_port, prefill=tuple(args.prefill),
                         decode=tuple(args.decode), api_key=args.api_key, prefill_policy=args.prefill_policy,
                         decode_policy=args.decode_policy, max_waiting=args.max_waiting,
+                        max_sub_requests=args.max_sub_requests, max_prompt_chars=args.max_prompt_chars,
+                        max_request_body_bytes=args.max_request_body_bytes,
+                        allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
                         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
                         max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,
                         failover_wait_s=args.failover_wait_s)

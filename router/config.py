@@ -20,7 +20,12 @@ class RouterConfig:
     api_key: str = ""                      # required Bearer token / metadata; empty = none
     prefill_policy: str = "cache_aware"
     decode_policy: str = "least_load"
-    max_waiting: int = 1024                # requests waiting for their first token before 429
+    max_waiting: int = 1024                # sub-requests (prompts x n) waiting for their first token before 429
+    max_sub_requests: int = 128            # prompts x n in one request; more is a 400
+    max_prompt_chars: int = 4 << 20        # characters of a text prompt, or of all chat messages together
+    max_request_body_bytes: int = 32 << 20  # HTTP request body, checked before parsing (413)
+    allowed_hosts: tuple[str, ...] = field(default_factory=tuple)   # HTTP Host header allow-list against
+    #                                        DNS rebinding (host or host:port; empty = any host)
     heartbeat_interval_s: float = 1.0      # Stats poll period per worker
     heartbeat_timeout_s: float = 2.0       # a Stats poll longer than this is late (logged, never a death)
     max_missed_heartbeats: int = 2         # polls in a row finding it gone (UNAVAILABLE) that remove it
@@ -38,8 +43,9 @@ class RouterConfig:
             raise ValueError(f"prefill_policy={self.prefill_policy!r}: use one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy={self.decode_policy!r}: use one of {DECODE_POLICIES}")
-        if self.max_waiting < 1:
-            raise ValueError(f"max_waiting must be >= 1, got {self.max_waiting}")
+        for name in ("max_waiting", "max_sub_requests", "max_prompt_chars", "max_request_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.heartbeat_timeout_s > 0 and self.heartbeat_interval_s > 0):
             raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
         if self.max_missed_heartbeats < 1:
@@ -50,6 +56,7 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
+        object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
 
     @property
     def model_name(self) -> str:

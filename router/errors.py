@@ -37,10 +37,21 @@ def model_not_found(model: str, served: str) -> RouterError:
                        f"{served!r}", "invalid_request_error", "model", "model_not_found")
 
 
-def overloaded(num_waiting: int, max_waiting: int) -> RouterError:
+def overloaded(num_waiting: int, max_waiting: int, num_new: int = 1) -> RouterError:
     return RouterError(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"too many requests waiting ({num_waiting} >= max_waiting={max_waiting}); retry later",
-                       "rate_limit_error", code="queue_full", retry_after_s=1)
+                       f"too many requests waiting ({num_waiting} waiting + {num_new} new > max_waiting={max_waiting}); "
+                       "retry later", "rate_limit_error", code="queue_full", retry_after_s=1)
+
+
+def body_too_large(max_bytes: int) -> RouterError:
+    return RouterError(413, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"the request body is larger than max_request_body_bytes={max_bytes}", "invalid_request_error",
+                       code="request_too_large")
+
+
+def host_not_allowed(host: str) -> RouterError:
+    return RouterError(400, grpc.StatusCode.PERMISSION_DENIED, f"the Host header {host!r} is not allowed on this "
+                       "server (--allowed-hosts)", "invalid_request_error", code="host_not_allowed")
 
 
 def unavailable(message: str) -> RouterError:

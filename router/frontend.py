@@ -1,7 +1,10 @@
 """What both public APIs call (router process): validate, tokenize, dispatch, detokenize, stop.
 
 ``Frontend.prepare_*`` turns a public request into a ``PreparedRequest`` (or raises
-RouterError); ``Frontend.stream`` yields ``TextChunk``s: text deltas with their token ids, the
+RouterError); they template and tokenize, so the APIs call them off the event loop
+(``asyncio.to_thread``) and a huge request never stalls the others or ``/health``.
+``Frontend.admit`` then refuses a request whose sub-requests would overfill the waiting queue
+(429). ``Frontend.stream`` yields ``TextChunk``s: text deltas with their token ids, the
 last one with finish_reason and usage. Closing the stream early (client gone) or a stop string
 aborts the request at both workers through the dispatcher.
 """
@@ -18,14 +21,14 @@ from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router import errors
 from router.coalesce import Coalescer
+from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
-from router.sampling import prepare_sampling
+from router.sampling import prepare_sampling, unencodable
 from router.text_stream import TextStream
 
 MAX_REQUEST_ID_CHARS = 200   # the workers accept 256; retries append ".retryN"
-MAX_PROMPT_CHARS = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,15 @@ class TextChunk:
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer, registry: WorkerRegistry, dispatcher: Dispatcher,
-                 metrics: RouterMetrics, model_name: str, max_waiting: int) -> None:
+                 metrics: RouterMetrics, config: RouterConfig) -> None:
         self.tokenizer = tokenizer
         self.registry = registry
         self.dispatcher = dispatcher
         self.metrics = metrics
-        self.model_name = model_name
-        self.max_waiting = max_waiting
+        self.model_name = config.model_name
+        self.max_waiting = config.max_waiting
+        self.max_sub_requests = config.max_sub_requests
+        self.max_prompt_chars = config.max_prompt_chars
 
     # -- preparing --------------------------------------------------------------------------
 
@@ -68,18 +73,30 @@ class Frontend:
         if model and model != self.model_name:
             raise errors.model_not_found(model, self.model_name)
 
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Before any tokenizing: one request may not ask for more than max_sub_requests streams."""
+        if num_prompts * n > self.max_sub_requests:
+            raise errors.invalid_request(f"{num_prompts} prompts x n={n} is {num_prompts * n} completions, more than "
+                                         f"max_sub_requests={self.max_sub_requests}", "n" if n > 1 else "prompt")
+
     def _request_id(self, given: str) -> str:
         if len(given) > MAX_REQUEST_ID_CHARS:
             raise errors.invalid_request(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters", "request_id")
+        if unencodable(given):
+            raise errors.invalid_request("request_id must be valid Unicode (no lone surrogates)", "request_id")
         return given or uuid.uuid4().hex
 
     def prepare_prompt(self, prompt: str, prompt_token_ids: Sequence[int], sampling: tandem_pb2.Sampling,
                        request_id: str = "", default_max_tokens: int | None = 16) -> PreparedRequest:
         if bool(prompt) == bool(prompt_token_ids):
             raise errors.invalid_request("give exactly one of prompt (text) and prompt_token_ids", "prompt")
+        request_id = self._request_id(request_id)
         if prompt:
-            if len(prompt) > MAX_PROMPT_CHARS:
-                raise errors.invalid_request(f"the prompt is longer than {MAX_PROMPT_CHARS} characters", "prompt")
+            if len(prompt) > self.max_prompt_chars:
+                raise errors.invalid_request(f"the prompt is longer than max_prompt_chars={self.max_prompt_chars} "
+                                             "characters", "prompt")
+            if unencodable(prompt):
+                raise errors.invalid_request("the prompt must be valid Unicode (no lone surrogates)", "prompt")
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = [int(t) for t in prompt_token_ids]
@@ -95,6 +112,19 @@ class Frontend:
                      default_max_tokens: int | None = None) -> PreparedRequest:
         if not messages:
             raise errors.invalid_request("messages is empty", "messages")
+        request_id = self._request_id(request_id)
+        num_chars = 0
+        for i, message in enumerate(messages):
+            for key, value in message.items():
+                if not isinstance(value, str):
+                    raise errors.invalid_request(f"messages.{i}.{key} must be a string", f"messages.{i}.{key}")
+                if unencodable(value):
+                    raise errors.invalid_request(f"messages.{i}.{key} must be valid Unicode (no lone surrogates)",
+                                                 f"messages.{i}.{key}")
+                num_chars += len(value)
+        if num_chars > self.max_prompt_chars:
+            raise errors.invalid_request(f"the messages hold {num_chars} characters, more than max_prompt_chars="
+                                         f"{self.max_prompt_chars}", "messages")
         try:
             token_ids = self.tokenizer.encode_chat(messages)
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
@@ -103,16 +133,20 @@ class Frontend:
 
     def _prepare(self, token_ids: list[int], sampling: tandem_pb2.Sampling, request_id: str,
                  default_max_tokens: int | None) -> PreparedRequest:
-        prepared = prepare_sampling(sampling, len(token_ids), self.registry.max_model_len, default_max_tokens)
-        return PreparedRequest(self._request_id(request_id), token_ids, prepared.params, prepared.stop)
+        prepared = prepare_sampling(sampling, len(token_ids), self.registry.max_model_len, default_max_tokens,
+                                    self.tokenizer.vocab_size)
+        return PreparedRequest(request_id, token_ids, prepared.params, prepared.stop)
 
-    def admit(self) -> None:
-        """Raise before streaming starts if the request cannot be taken now (429 / 503)."""
+    def admit(self, num_sub_requests: int = 1) -> None:
+        """Raise before streaming starts if the request cannot be taken now (429 / 503). Its
+        sub-requests (prompts x n) all count against max_waiting; on an empty queue any request
+        that passed check_fan_out is taken, so a small max_waiting never starves it."""
         for role in ("prefill", "decode"):
             if not self.registry.healthy(role):
                 raise errors.unavailable(f"no {role} worker is available")
-        if self.dispatcher.num_waiting >= self.max_waiting:
-            raise errors.overloaded(self.dispatcher.num_waiting, self.max_waiting)
+        num_waiting = self.dispatcher.num_waiting
+        if num_waiting and num_waiting + num_sub_requests > self.max_waiting:
+            raise errors.overloaded(num_waiting, self.max_waiting, num_sub_requests)
 
     # -- streaming --------------------------------------------------------------------------
 

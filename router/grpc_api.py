@@ -1,11 +1,17 @@
 """The public gRPC service tandem.v1.Tandem (router process): a thin servicer over Frontend.
 
+A bad request ends with INVALID_ARGUMENT (or the RouterError's code) before any message is
+sent; templating and tokenizing run off the event loop like on HTTP; anything unexpected is
+logged and ends as INTERNAL, never a dropped stream.
+
 Also the API-key interceptor: with a key set, every Tandem call needs metadata
 ``authorization: Bearer KEY`` (health and reflection stay open, as load balancers expect).
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
+import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -15,7 +21,9 @@ from router import errors
 from router.cluster import cluster_view
 from router.frontend import Frontend, PreparedRequest, TextChunk
 
+logger = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
+INLINE_CHARS = 4 << 10   # smaller requests are tokenized on the loop (cheaper than a thread hop)
 
 
 def chunk_to_proto(request_id: str, chunk: TextChunk) -> tandem_pb2.CompletionChunk:
@@ -36,21 +44,25 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    async def _stream(self, prepare: Callable[[], PreparedRequest], context: grpc.aio.ServicerContext):
+    async def _stream(self, prepare: Callable[[], PreparedRequest], num_chars: int,
+                      context: grpc.aio.ServicerContext):
         try:
-            request = prepare()
+            request = prepare() if num_chars <= INLINE_CHARS else await asyncio.to_thread(prepare)
             self.frontend.admit()
             async for chunk in self.frontend.stream(request):
                 yield chunk_to_proto(request.request_id, chunk)
         except errors.RouterError as exc:
             await context.abort(exc.grpc_code, exc.message)
+        except Exception:  # noqa: BLE001 - a clean status instead of a dropped stream
+            logger.exception("unexpected error in %s", type(self).__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
     async def Generate(self, request: tandem_pb2.CompletionRequest, context):
         def prepare() -> PreparedRequest:
             self.frontend.check_model(request.model)
             return self.frontend.prepare_prompt(request.prompt, request.prompt_token_ids, request.sampling,
                                                 request.request_id, default_max_tokens=16)
-        async for msg in self._stream(prepare, context):
+        async for msg in self._stream(prepare, len(request.prompt) + len(request.prompt_token_ids), context):
             yield msg
 
     async def Chat(self, request: tandem_pb2.ChatRequest, context):
@@ -58,7 +70,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             self.frontend.check_model(request.model)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
             return self.frontend.prepare_chat(messages, request.sampling, request.request_id)
-        async for msg in self._stream(prepare, context):
+        async for msg in self._stream(prepare, sum(len(m.content) for m in request.messages), context):
             yield msg
 
     async def ListModels(self, request, context):

@@ -2,14 +2,23 @@
 
 /v1/completions and /v1/chat/completions (plain JSON or SSE ending in ``data: [DONE]``),
 /v1/models, /v1/cluster, /health, /metrics. Errors use OpenAI's shape
-``{"error": {"message", "type", "param", "code"}}``. With an API key, /v1/* needs
-``Authorization: Bearer KEY``.
+``{"error": {"message", "type", "param", "code"}}``.
+
+Every bad request is answered with a 4xx before any stream byte, in this order and as cheaply
+as it can be: the Host header against ``allowed_hosts`` (DNS rebinding; /health stays open) and,
+with an API key, ``Authorization: Bearer KEY`` on /v1/*, both before the body is read; the body
+size against ``max_request_body_bytes`` (413) while it is read; then parsing, field checks, the
+fan-out cap (prompts x n) and, off the event loop for large requests, templating and
+tokenizing. A non-streaming request whose client disconnects is cancelled, which aborts it at
+both workers, as closing a stream does.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
+import logging
 import math
 import time
 import uuid
@@ -23,10 +32,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from router import errors
 from router.cluster import cluster_view
+from router.config import RouterConfig
 from router.frontend import Frontend, PreparedRequest, TextChunk
-from router.openai_types import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from router.openai_types import Body, ChatCompletionRequest, CompletionRequest, parse_body
 
+logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Bodies and prompts under this size are parsed / tokenized on the loop: tens of microseconds,
+# less than the hop to a thread. Anything larger goes to a thread so it never stalls the loop.
+INLINE_BYTES = 16 << 10
+INLINE_CHARS = 4 << 10
+CLIENT_CLOSED_REQUEST = 499   # nginx's status for "the client went away first"; nobody reads it
 
 
 def _error_response(exc: errors.RouterError) -> JSONResponse:
@@ -117,51 +133,117 @@ async def _merge(streams: list[AsyncIterator[TextChunk]]) -> AsyncIterator[tuple
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _hostname(host: str) -> str:
+    """``host[:port]`` -> host (IPv6 literals keep their brackets)."""
+    if host.startswith("["):
+        return host[:host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client disconnects (call after the body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 class HttpApi:
-    def __init__(self, frontend: Frontend, api_key: str = "") -> None:
+    def __init__(self, frontend: Frontend, config: RouterConfig) -> None:
         self.frontend = frontend
-        self.api_key = api_key
+        self.api_key = config.api_key
+        self.allowed_hosts = frozenset(config.allowed_hosts)
+        self.max_body_bytes = config.max_request_body_bytes
         self.logprobs = LogprobFormatter(frontend.tokenizer)
 
+    def check_host(self, request: Request) -> None:
+        if not self.allowed_hosts:
+            return
+        host = request.headers.get("host", "").lower()
+        if host not in self.allowed_hosts and _hostname(host) not in self.allowed_hosts:
+            raise errors.host_not_allowed(host)
+
     def check_key(self, request: Request) -> None:
+        self.check_host(request)
         if not self.api_key:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise errors.unauthorized()
 
-    def _prepare_all(self, body: _SamplingFields, prepare) -> list[PreparedRequest]:
-        self.frontend.check_model(body.model)
-        base = body.request_id or f"{uuid.uuid4().hex}"
-        prepared = []
-        for j in range(body.n):
-            seed = None if body.seed is None else body.seed + j
-            prepared.append(prepare(f"{base}-{j}" if body.n > 1 else base, seed))
-        self.frontend.admit()
-        return prepared
+    async def read(self, request: Request, model: type[Body]) -> Body:
+        """The body as ``model``: 413 as soon as it is known to be too large (Content-Length, or
+        the bytes read so far), before any parsing."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise errors.body_too_large(self.max_body_bytes)
+        parts, nbytes = [], 0
+        async for part in request.stream():
+            nbytes += len(part)
+            if nbytes > self.max_body_bytes:
+                raise errors.body_too_large(self.max_body_bytes)
+            parts.append(part)
+        raw = b"".join(parts)
+        if nbytes <= INLINE_BYTES:
+            return parse_body(raw, model)
+        return await asyncio.to_thread(parse_body, raw, model)
+
+    async def _off_loop(self, num_chars: int, fn, *args):
+        return fn(*args) if num_chars <= INLINE_CHARS else await asyncio.to_thread(fn, *args)
+
+    @staticmethod
+    def _fan_out(first: PreparedRequest, n: int, seed: int | None, base: str, suffix: str) -> list[PreparedRequest]:
+        """The n choices of one prompt, tokenized once: choice j has id ``<base>-j<suffix>`` and seed + j."""
+        if n == 1:
+            return [first]
+        return [dataclasses.replace(first, request_id=f"{base}-{j}{suffix}", params=_with_seed(first.params, seed, j))
+                for j in range(n)]
+
+    async def _respond(self, request: Request, streams, stream_body) -> list[TextChunk] | Response:
+        """A StreamingResponse, or every stream collected; a client gone first cancels them."""
+        if stream_body is not None:
+            return StreamingResponse(stream_body, media_type="text/event-stream", headers=SSE_HEADERS)
+        collect = asyncio.ensure_future(asyncio.gather(*(_collect(s) for s in streams)))
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (collect, gone):
+                task.cancel()
+            await asyncio.gather(collect, gone, return_exceptions=True)
+        if collect.cancelled():
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return list(collect.result())
 
     # -- completions ------------------------------------------------------------------------
 
-    async def completions(self, body: CompletionRequest):
+    def _prepare_completions(self, body: CompletionRequest, prompts, sampling) -> list[PreparedRequest]:
+        base = body.request_id or uuid.uuid4().hex
+        requests: list[PreparedRequest] = []
+        for p, (text, token_ids) in enumerate(prompts):
+            suffix = f"-p{p}" if len(prompts) > 1 else ""
+            rid = f"{base}-0{suffix}" if body.n > 1 else f"{base}{suffix}"
+            first = self.frontend.prepare_prompt(text, token_ids, sampling, rid, default_max_tokens=16)
+            requests += self._fan_out(first, body.n, body.seed, base, suffix)
+        return requests
+
+    async def completions(self, request: Request):
+        body = await self.read(request, CompletionRequest)
         if body.echo:
             raise errors.invalid_request("echo is not supported", "echo")
-        sampling = body.sampling(body.max_tokens, body.logprobs)
-        requests: list[PreparedRequest] = []
+        self.frontend.check_model(body.model)
         prompts = body.prompts()
-        for p, (text, token_ids) in enumerate(prompts):
-            def prepare(request_id: str, seed: int | None, text=text, token_ids=token_ids, p=p):
-                s = _with_seed(sampling, seed)
-                rid = request_id if len(prompts) == 1 else f"{request_id}-p{p}"
-                return self.frontend.prepare_prompt(text, token_ids, s, rid, default_max_tokens=16)
-            requests += self._prepare_all(body, prepare)
+        self.frontend.check_fan_out(len(prompts), body.n)
+        sampling = body.sampling(body.max_tokens, body.logprobs)
+        num_chars = sum(len(text) + len(ids) for text, ids in prompts)
+        requests = await self._off_loop(num_chars, self._prepare_completions, body, prompts, sampling)
+        self.frontend.admit(len(requests))
         response_id = f"cmpl-{requests[0].request_id}"
         created = int(time.time())
         model = self.frontend.model_name
         streams = [self.frontend.stream(r) for r in requests]
-        if body.stream:
-            return StreamingResponse(self._stream_completion(streams, response_id, created, model, body),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        chunks = list(await asyncio.gather(*(_collect(s) for s in streams)))
+        stream_body = self._stream_completion(streams, response_id, created, model, body) if body.stream else None
+        chunks = await self._respond(request, streams, stream_body)
+        if not isinstance(chunks, list):
+            return chunks
         choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
                     "logprobs": self.logprobs.completion(c, 0) if body.logprobs is not None else None}
                    for i, c in enumerate(chunks)]
@@ -191,21 +273,28 @@ class HttpApi:
 
     # -- chat -------------------------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest):
+    def _prepare_chat(self, body: ChatCompletionRequest, messages: list[dict], sampling) -> list[PreparedRequest]:
+        base = body.request_id or uuid.uuid4().hex
+        first = self.frontend.prepare_chat(messages, sampling, f"{base}-0" if body.n > 1 else base)
+        return self._fan_out(first, body.n, body.seed, base, "")
+
+    async def chat(self, request: Request):
+        body = await self.read(request, ChatCompletionRequest)
+        self.frontend.check_model(body.model)
+        self.frontend.check_fan_out(1, body.n)
         sampling = body.sampling(body.max_output_tokens, body.num_logprobs)
         messages = [m.as_dict() for m in body.messages]
-
-        def prepare(request_id: str, seed: int | None):
-            return self.frontend.prepare_chat(messages, _with_seed(sampling, seed), request_id)
-        requests = self._prepare_all(body, prepare)
+        num_chars = sum(len(m["content"]) for m in messages)
+        requests = await self._off_loop(num_chars, self._prepare_chat, body, messages, sampling)
+        self.frontend.admit(len(requests))
         response_id = f"chatcmpl-{requests[0].request_id}"
         created = int(time.time())
         model = self.frontend.model_name
         streams = [self.frontend.stream(r) for r in requests]
-        if body.stream:
-            return StreamingResponse(self._stream_chat(streams, response_id, created, model, body),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        chunks = list(await asyncio.gather(*(_collect(s) for s in streams)))
+        stream_body = self._stream_chat(streams, response_id, created, model, body) if body.stream else None
+        chunks = await self._respond(request, streams, stream_body)
+        if not isinstance(chunks, list):
+            return chunks
         choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
                     "logprobs": self.logprobs.chat(c) if body.logprobs else None,
                     "finish_reason": c.finish_reason} for i, c in enumerate(chunks)]
@@ -235,12 +324,13 @@ class HttpApi:
         yield b"data: [DONE]\n\n"
 
 
-def _with_seed(sampling, seed: int | None):
+def _with_seed(sampling, seed: int | None, j: int):
+    """The worker's sampling for choice j: seed + j (openai_types checked that it fits int64)."""
     if seed is None:
         return sampling
     copy = type(sampling)()
     copy.CopyFrom(sampling)
-    copy.seed = seed
+    copy.seed = seed + j
     return copy
 
 
@@ -251,8 +341,8 @@ async def _collect(stream: AsyncIterator[TextChunk]) -> TextChunk:
                      [lp for p in parts for lp in p.logprobs], last.finish_reason, last.usage)
 
 
-def create_app(frontend: Frontend, api_key: str = "") -> FastAPI:
-    api = HttpApi(frontend, api_key)
+def create_app(frontend: Frontend, config: RouterConfig) -> FastAPI:
+    api = HttpApi(frontend, config)
     app = FastAPI(title="Tandem router", docs_url=None, redoc_url=None)
 
     @app.exception_handler(errors.RouterError)
@@ -266,15 +356,21 @@ def create_app(frontend: Frontend, api_key: str = "") -> FastAPI:
         message = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in exc.errors())
         return _error_response(errors.invalid_request(message or "invalid request body", param))
 
-    guarded = [Depends(api.check_key)]
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("unexpected error on %s", request.url.path)
+        return _error_response(errors.internal(f"internal error: {type(exc).__name__}"))
+
+    guarded = [Depends(api.check_key)]      # Host and API key: before the body is read
+    host_checked = [Depends(api.check_host)]
 
     @app.post("/v1/completions", dependencies=guarded)
-    async def completions(body: CompletionRequest):
-        return await api.completions(body)
+    async def completions(request: Request):
+        return await api.completions(request)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
-    async def chat_completions(body: ChatCompletionRequest):
-        return await api.chat(body)
+    async def chat_completions(request: Request):
+        return await api.chat(request)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -290,7 +386,7 @@ def create_app(frontend: Frontend, api_key: str = "") -> FastAPI:
         ok = all(frontend.registry.healthy(role) for role in ("prefill", "decode"))
         return JSONResponse({"status": "ok" if ok else "degraded"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=host_checked)
     async def metrics():
         return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -1,18 +1,26 @@
 """OpenAI / vLLM request bodies (pydantic) and their mapping onto tandem.v1.Sampling (router process).
 
 Unknown fields are ignored, like OpenAI and vLLM do. Ranges are checked in router.sampling, the
-one place both APIs share, so a bad value reads the same over HTTP and gRPC.
+one place both APIs share, so a bad value reads the same over HTTP and gRPC; here only what
+must hold before a value can go into a protobuf field at all (integer widths, the stop list's
+size) and what only HTTP has (n, seed + n). ``parse_body`` turns raw JSON bytes into one of
+these models, naming the field (``param``) of the first thing wrong, text that is not valid
+Unicode included (a lone surrogate would fail later inside protobuf or the tokenizer).
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+import json
+from typing import Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protos.tandem.v1 import tandem_pb2
 from router.errors import invalid_request
+from router.sampling import check_stop, unencodable
 
 MAX_N = 16
+_INT32 = range(-2**31, 2**31)
+_INT64 = range(-2**63, 2**63)
 
 
 class StreamOptions(BaseModel):
@@ -44,17 +52,23 @@ class _SamplingFields(BaseModel):
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> tandem_pb2.Sampling:
         if not 1 <= self.n <= MAX_N:
             raise invalid_request(f"n must be in [1, {MAX_N}], got {self.n}", "n")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise invalid_request(f"seed must be in [0, 2**63), got {self.seed}", "seed")
+        # Choice j samples with seed + j: the last one must still fit int64.
+        if self.seed is not None and not 0 <= self.seed <= 2**63 - self.n:
+            raise invalid_request(f"seed must be in [0, 2**63 - n] (choice j uses seed + j), got {self.seed}", "seed")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        msg = tandem_pb2.Sampling(stop=stop, stop_token_ids=self.stop_token_ids or [], ignore_eos=self.ignore_eos)
+        check_stop(stop)
+        stop_token_ids = self.stop_token_ids or []
+        bad = next((t for t in stop_token_ids if t not in _INT64), None)
+        if bad is not None:
+            raise invalid_request(f"stop_token_ids must be token ids, got {bad}", "stop_token_ids")
+        msg = tandem_pb2.Sampling(stop=stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos)
         values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                   "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "seed": self.seed, "max_tokens": max_tokens,
                   "logprobs": logprobs}
         for name, value in values.items():
             if value is not None:
-                if name in ("max_tokens", "top_k", "logprobs") and not -2**31 <= value < 2**31:
+                if name in ("max_tokens", "top_k", "logprobs") and value not in _INT32:
                     raise invalid_request(f"{name}={value} is out of range", name)
                 setattr(msg, name, value)
         return msg
@@ -124,3 +138,52 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid_request("top_logprobs needs logprobs=true", "top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def _first_unencodable(value, path: tuple) -> tuple | None:
+    """The path of the first string (or object key) in a JSON value that is not valid Unicode."""
+    if isinstance(value, str):
+        return path if unencodable(value) else None
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _first_unencodable(v, path + (i,)))), None)
+    if isinstance(value, dict):
+        for key, v in value.items():
+            if unencodable(key):
+                return path + ("<key>",)
+            if p := _first_unencodable(v, path + (key,)):
+                return p
+    return None
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none"})
+
+
+def _param(loc) -> str | None:
+    """A pydantic location as OpenAI's ``param`` ("messages.0.content"), without the tags pydantic
+    adds for union members ("str", "list[int]", "TextPart")."""
+    keep = [str(p) for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or p[:1].isupper()))]
+    return ".".join(keep) or None
+
+
+def parse_body(raw: bytes, model: type[Body]) -> Body:
+    """Raw JSON bytes -> ``model``, or RouterError 400 naming the first bad field. CPU-bound for
+    large bodies: the HTTP API calls it off the event loop."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:   # UnicodeDecodeError (bytes that are not UTF-8) is a ValueError
+        raise invalid_request(f"the body is not valid JSON: {exc}"[:300]) from None
+    if not isinstance(data, dict):
+        raise invalid_request("the body must be a JSON object")
+    bad = _first_unencodable(data, ())
+    if bad is not None:
+        raise invalid_request(f"{_param(bad)} must be valid Unicode (no lone surrogates)", _param(bad))
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = exc.errors(include_url=False, include_input=False)
+        message = "; ".join(f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg')}" for e in problems)
+        raise invalid_request(message or "invalid request body",
+                              _param(problems[0].get("loc", ())) if problems else None) from None

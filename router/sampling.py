@@ -1,20 +1,24 @@
 """Public sampling options (tandem.v1.Sampling) -> the workers' SamplingParams, validated (router process).
 
-The router checks every range the engine would, so a bad value is a clear 400 /
-INVALID_ARGUMENT before any worker sees it, and checks prompt + max_tokens against
-max_model_len with both numbers in the message.
+The range checks themselves live in ``engine.config.check_sampling``, the one home the engine
+uses too, so the router refuses exactly what a worker would: a bad value is a clear 400 /
+INVALID_ARGUMENT naming the field before any worker sees it. On top of those the router checks
+what only it knows: the vocabulary (stop_token_ids), the stop strings it applies itself, and
+prompt + max_tokens against max_model_len with both numbers in the message. A positive
+temperature too small to divide by (denormals included) is raised to MIN_TEMPERATURE, as vLLM does.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from engine.config import InvalidSamplingError, check_sampling, clamp_temperature
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router.errors import invalid_request
 
-MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                    "frequency_penalty", "seed", "logprobs")
 
 
 @dataclass(frozen=True)
@@ -28,37 +32,36 @@ def _check(ok: bool, message: str, param: str) -> None:
         raise invalid_request(message, param)
 
 
+def unencodable(text: str) -> bool:
+    """True for text that is not valid Unicode (lone surrogates): protobuf, the tokenizer and
+    the JSON error body would all fail on it later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def check_stop(stop) -> None:
+    _check(len(stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}", "stop")
+    _check(all(0 < len(x) <= MAX_STOP_STRING_CHARS for x in stop),
+           f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
+    _check(not any(unencodable(x) for x in stop), "stop strings must be valid Unicode (no lone surrogates)", "stop")
+
+
 def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_model_len: int | None,
-                     default_max_tokens: int | None) -> PreparedSampling:
+                     default_max_tokens: int | None, vocab_size: int | None = None) -> PreparedSampling:
     """``default_max_tokens=None`` means "the rest of the context" (chat's default)."""
     s = public
     has = s.HasField
-    if has("temperature"):
-        _check(math.isfinite(s.temperature) and s.temperature >= 0, f"temperature must be >= 0, got {s.temperature}", "temperature")
-    if has("top_p"):
-        _check(0.0 < s.top_p <= 1.0, f"top_p must be in (0, 1], got {s.top_p}", "top_p")
-    if has("top_k"):
-        _check(s.top_k >= -1, f"top_k must be -1, 0 (disabled) or a positive count, got {s.top_k}", "top_k")
-    if has("min_p"):
-        _check(0.0 <= s.min_p <= 1.0, f"min_p must be in [0, 1], got {s.min_p}", "min_p")
-    if has("repetition_penalty"):
-        _check(s.repetition_penalty > 0, f"repetition_penalty must be > 0, got {s.repetition_penalty}",
-               "repetition_penalty")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if has(name):
-            value = getattr(s, name)
-            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}", name)
-    if has("seed"):
-        _check(s.seed >= 0, f"seed must be in [0, 2**63), got {s.seed}", "seed")
-    if has("logprobs"):
-        _check(0 <= s.logprobs <= MAX_LOGPROBS, f"logprobs must be in [0, {MAX_LOGPROBS}], got {s.logprobs}",
-               "logprobs")
-    _check(len(s.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(s.stop)}", "stop")
-    _check(all(0 < len(x) <= MAX_STOP_STRING_CHARS for x in s.stop),
-           f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
-    _check(all(t >= 0 for t in s.stop_token_ids), "stop_token_ids must be >= 0", "stop_token_ids")
+    values = {name: getattr(s, name) for name in _OPTIONAL_FIELDS if has(name)}
+    try:
+        check_sampling(**values, max_tokens=s.max_tokens if has("max_tokens") else None,
+                       stop_token_ids=s.stop_token_ids, vocab_size=vocab_size)
+    except InvalidSamplingError as exc:
+        raise invalid_request(str(exc), exc.param) from None
+    check_stop(s.stop)
     if has("max_tokens"):
-        _check(s.max_tokens >= 1, f"max_tokens must be >= 1, got {s.max_tokens}", "max_tokens")
         max_tokens = s.max_tokens
     elif default_max_tokens is not None:
         max_tokens = default_max_tokens
@@ -76,9 +79,7 @@ def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_mo
                    f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
                    f"for the completion). Reduce the prompt or max_tokens.", "max_tokens")
     params = worker_pb2.SamplingParams(stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
-                                       max_tokens=max_tokens)
-    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed", "logprobs"):
-        if has(name):
-            setattr(params, name, getattr(s, name))
+                                       max_tokens=max_tokens, **values)
+    if has("temperature"):
+        params.temperature = clamp_temperature(s.temperature)
     return PreparedSampling(params, tuple(s.stop))

@@ -64,8 +64,7 @@ class Router:
                                      c.max_attempts, c.rpc_timeout_s, on_failover=lambda _: self.metrics.failovers.inc(),
                                      failover_wait_s=c.failover_wait_s)
         self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
-        self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c.model_name,
-                                 c.max_waiting)
+        self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c)
         for role, addresses in (("prefill", c.prefill), ("decode", c.decode)):
             for address in addresses:
                 self.registry.add(role, address)
