@@ -8,8 +8,14 @@ the request is dispatched again to a fresh pair with prompt + the tokens already
 the remaining ``max_tokens``, so the caller sees one unbroken token stream with nothing
 duplicated or missing. A prefill worker lost while its request still waits for KV is replaced
 in place (docs/architecture.md#failure-handling): the prompt is re-submitted to another prefill worker and the decode
-worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``). Retries use ``<request_id>.retry<N>`` so a worker still cleaning up the
-old attempt never sees a clash.
+worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``).
+
+A client's request id is a label: the workers see ``<label>.<16 random hex>``, unique per
+request, so a reused client id never joins or aborts another client's request (the caller
+keeps using its own id in responses). Retries use ``<internal id>.retry<N>`` so a worker still
+cleaning up the old attempt never sees a clash. A request that fails twice for the same reason
+(worker addresses and ids aside) on different workers -- a poison request, not a bad worker --
+is not tried on more; a worker removed from the registry is not such a reason.
 
 Cleanup of an unfinished attempt is synchronous (it runs while the caller is being cancelled):
 cancel the D stream and send Abort to P and D at once in background tasks.
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +39,7 @@ logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED})
 DEFAULT_MAX_TOKENS = 16  # the engine's default when sampling.max_tokens is unset
+MAX_LABEL_CHARS = 200    # of the client's id in the internal one; workers accept 256 characters
 
 
 @dataclass
@@ -88,11 +96,16 @@ class Dispatcher:
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        sampling: worker_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
-        """Stream the request's tokens; raises RouterError when it cannot complete."""
+        """Stream the request's tokens; raises RouterError when it cannot complete. ``request_id``
+        is the client's label; the workers get a unique id made from it."""
         progress = _Progress(list(prompt_token_ids),
                              sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
         waiting = True
         avoid: set[str] = set()
+        failures: set[str] = set()   # why earlier attempts failed, with addresses and ids left out
+        internal_id = f"{request_id[:MAX_LABEL_CHARS]}.{uuid.uuid4().hex[:16]}"
+        logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
+        request_id = internal_id
         self.num_waiting += 1
         try:
             for attempt_no in range(self.max_attempts):
@@ -135,6 +148,12 @@ class Dispatcher:
                     self._end(attempt)
                 avoid |= self._suspects(attempt)
                 await self._diagnose(attempt)
+                if attempt.lost is None:
+                    reason = self._reason(failure, attempt, request_id)
+                    if reason in failures:
+                        raise errors.internal(f"request_id={request_id} failed twice for the same reason on "
+                                              f"different workers; not retrying: {failure}")
+                    failures.add(reason)
                 if len(progress.output_token_ids) >= progress.max_tokens:
                     # The stream broke after the last token but before its finish message.
                     yield TokenEvent([], [], "length", len(progress.prompt_token_ids),
@@ -245,6 +264,14 @@ class Dispatcher:
         if exc.code() not in RETRYABLE:
             raise errors.from_worker(exc.code(), exc.details() or "") from None
         return f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
+
+    @staticmethod
+    def _reason(failure: str, attempt: Attempt, request_id: str) -> str:
+        """``failure`` without what differs between attempts: the workers and the attempt's id."""
+        for name, value in ((attempt.request_id, "<request>"), (request_id, "<request>"),
+                            (attempt.prefill.address, "<worker>"), (attempt.decode.address, "<worker>")):
+            failure = failure.replace(name, value)
+        return failure
 
     @staticmethod
     def _suspects(attempt: Attempt) -> set[str]:

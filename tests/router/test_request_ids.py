@@ -1,0 +1,55 @@
+"""Client request ids are labels (router.dispatch): the workers see a unique internal id, so a
+reused client id never joins or aborts another client's request, and the client still sees its
+own id; a request failing twice for the same reason is not tried on more workers."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from router.client import AsyncTandemClient, TandemError
+from router.fake_workers import fake_completion
+from tests.router.test_dispatch import run, until
+
+
+def test_a_reused_client_request_id_never_joins_or_aborts_another_clients_request(loop_thread, tokenizer):
+    async def body(cluster):
+        decode = cluster.decodes[0]
+        channel = grpc.aio.insecure_channel(cluster.router.grpc_address)
+        stub = tandem_pb2_grpc.TandemStub(channel)
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            async def one(prompt):
+                request = tandem_pb2.CompletionRequest(request_id="same", prompt_token_ids=prompt,
+                                                       sampling=tandem_pb2.Sampling(max_tokens=8))
+                return [c async for c in stub.Generate(request)]
+
+            async def abandoned():   # the same id again, given up after its first chunk
+                async for _ in client.generate_stream([9, 9, 9], request_id="same", max_tokens=200):
+                    return
+
+            first, second, _ = await asyncio.gather(one([1, 2, 3]), one([4, 5, 6]), abandoned())
+        await channel.close()
+        for prompt, chunks in (([1, 2, 3], first), ([4, 5, 6], second)):
+            assert [t for c in chunks for t in c.token_ids] == fake_completion(prompt, 8)
+            assert {c.request_id for c in chunks} == {"same"}
+        await until(lambda: not decode.state.active)
+        assert len(set(decode.state.seen)) == 3
+        assert all(rid.startswith("same.") and len(rid) == len("same.") + 16 for rid in decode.state.seen)
+        assert len(decode.state.aborted) == 1   # only the abandoned one was aborted, by its own id
+    run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.01})
+
+
+def test_a_request_failing_twice_for_the_same_reason_is_not_tried_on_more_workers(loop_thread, tokenizer):
+    async def body(cluster):
+        for decode in cluster.decodes:
+            decode.servicer.fail_after_tokens = 0   # every stream ends at once with the same error
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            with pytest.raises(TandemError) as err:
+                await client.generate([1, 2, 3], max_tokens=4)
+        assert err.value.code == grpc.StatusCode.INTERNAL
+        assert "failed twice for the same reason" in err.value.details
+        assert "fake decode failure" in err.value.details
+        assert sum(len(d.state.seen) for d in cluster.decodes) == 2
+    run(loop_thread, tokenizer, body, num_decode=4)
