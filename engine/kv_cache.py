@@ -3,10 +3,13 @@
 Runs in each worker process. Layout ``[num_layers, 2, num_blocks, block_size, num_kv_heads,
 head_dim]`` (index 0 of dim 1 = K, 1 = V), so one (layer, K|V, block) is a contiguous run of
 bytes that kvtransfer can copy or send as is. On CPU the pool can live in a file under
-/dev/shm mapped shared, so a prefill worker on the same host writes into it directly.
+/dev/shm mapped shared, so a prefill worker on the same host writes into it directly; that file
+gets all its memory at creation (``reserve_shm``), so a full /dev/shm fails the start, never a
+later write.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import uuid
@@ -22,6 +25,17 @@ logger = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 SHM_PREFIX = "tandem-kv-"   # then "<pid>-<random>": the owner's pid, so stale pools can be found;
 #                            kvtransfer.region.POOL_NAME only opens names of this form (a test holds them together)
+
+
+def reserve_shm(fd: int, nbytes: int, directory: Path) -> None:
+    """Give a new pool file all ``nbytes`` of memory now, or raise OSError (ENOSPC). A sparse
+    file on a full tmpfs maps fine and then kills the process with SIGBUS at the first write to
+    a page it cannot back -- in the middle of serving, and in the prefill worker writing into it."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{nbytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free in {directory}")
+    os.posix_fallocate(fd, 0, nbytes)
 
 
 def sweep_stale_pools(directory: Path = SHM_DIR) -> list[Path]:
@@ -82,9 +96,9 @@ class KVPool:
             try:
                 # 0600: the pool holds every request's KV; only this user's processes may map it.
                 fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb") as handle:
+                with os.fdopen(fd, "wb"):
                     os.fchmod(fd, 0o600)   # whatever the umask
-                    handle.truncate(nbytes)
+                    reserve_shm(fd, nbytes, SHM_DIR)
                 storage = torch.from_file(str(self.shm_path), shared=True, size=numel, dtype=layout.dtype)
             except OSError as exc:
                 self.shm_path.unlink(missing_ok=True)

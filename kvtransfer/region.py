@@ -8,9 +8,12 @@ A descriptor's ``shm_path`` comes from another process, so it is never opened as
 regular file directly in the pool directory, named by ``POOL_NAME`` (the one definition of
 Tandem's pool names; engine/kv_cache.py makes its pools by it, tests/kvtransfer/test_shm_pools.py
 holds the two together), owned by this user and private (0600) is mapped (``check_pool_path``).
+A new pool gets all its memory when it is created (a free-space check, then posix_fallocate),
+so a full or small /dev/shm is an error then, never a SIGBUS at a later write.
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -68,13 +71,27 @@ def create_shm_pool(layout: KVLayout, num_blocks: int, directory: str = SHM_DIR,
     if not POOL_NAME.fullmatch(name):
         raise ValueError(f"pool name {name!r} does not match {POOL_NAME.pattern}: use pool_name()")
     path = os.path.join(directory, name)
+    nbytes = layout.pool_nbytes(num_blocks)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)   # whatever the umask
-        os.ftruncate(fd, layout.pool_nbytes(num_blocks))
+        _reserve(fd, nbytes, directory)
+    except OSError as exc:
+        os.unlink(path)
+        raise ValueError(f"cannot create a {nbytes} byte KV pool in {directory}: {exc}") from exc
     finally:
         os.close(fd)
     return map_shm_pool(layout, num_blocks, path, directory), path
+
+
+def _reserve(fd: int, nbytes: int, directory: str) -> None:
+    """Back every byte of a new pool file with memory now, or raise OSError: a sparse file on a
+    full tmpfs maps fine and then SIGBUSes whoever first writes a page it cannot back."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise OSError(errno.ENOSPC, f"{nbytes} bytes needed, {free} free")
+    os.posix_fallocate(fd, 0, nbytes)
 
 
 def map_shm_pool(layout: KVLayout, num_blocks: int, path: str, directory: str = SHM_DIR) -> torch.Tensor:
