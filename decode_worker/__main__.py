@@ -27,7 +27,8 @@ def _receiver(worker, runner: ModelRunner) -> kvtransfer.Receiver:
     rank = 0 if runner.group is None else runner.group.rank
     return kvtransfer.create_receiver(pool.tensor, kvtransfer.KVLayout.of_pool(pool.tensor, tp_rank=rank),
                                       worker.kv_backend, shm_path=None if pool.shm_path is None else str(pool.shm_path),
-                                      host=worker.host, lease_s=worker.kv_lease_s)
+                                      host=worker.host, lease_s=worker.kv_lease_s,
+                                      secret=worker.cluster_secret or None)
 
 
 def build(worker, model_config, cache_config, scheduler_config, parallel_config) -> WorkerParts:

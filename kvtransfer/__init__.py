@@ -4,7 +4,9 @@ A decode worker registers its KV pool with :func:`create_receiver` and hands out
 ``receiver.descriptor.to_bytes()``; a prefill worker opens it with :func:`create_sender` and
 calls ``write`` (per layer, asynchronous) and ``notify``. Backends: ``shm`` (same host, /dev/shm
 pool), ``tcp`` (ZeroMQ frames), ``cuda-ipc`` (same host GPUs), ``fake`` (in-process) and
-``auto``. This package imports only numpy, torch, zmq and msgpack.
+``auto``. Given the cluster secret (``secret=``, as the workers do), every ZeroMQ connection is
+CurveZMQ-encrypted and authenticated with keys derived from it. This package imports only
+numpy, torch, zmq and msgpack.
 """
 from __future__ import annotations
 
@@ -36,15 +38,19 @@ __all__ = [
 
 def create_receiver(pool: torch.Tensor, layout: KVLayout, backend: str = "auto", *,
                     shm_path: str | None = None, host: str = "127.0.0.1",
-                    lease_s: float = 30.0, curve: CurveKeys | None = None,
+                    lease_s: float = 30.0, secret: str | None = None, curve: CurveKeys | None = None,
                     allowed_clients: list[bytes] | None = None,
                     fabric: FakeFabric | None = None) -> Receiver:
     """Register ``pool`` (shape ``layout.pool_shape(num_blocks)``) for incoming writes.
 
     ``host`` is the address the ZeroMQ socket binds (a port is picked at random); ``lease_s``
-    is the default lease of expected requests; ``curve`` turns on CurveZMQ encryption and
-    ``allowed_clients`` (Z85 public keys) restricts who may connect.
+    is the default lease of expected requests. ``secret`` (the cluster secret; the workers
+    always give it) turns on CurveZMQ with the deployment's keys and admits only senders that
+    hold them; ``curve`` / ``allowed_clients`` (Z85 public keys) set keys and allow-list by hand.
     """
+    if secret is not None and curve is None:
+        curve = CurveKeys.from_secret(secret)
+        allowed_clients = [curve.public] if allowed_clients is None else allowed_clients
     transports = _receiver_transports(pool, backend, shm_path)
     if backend == "fake":
         if fabric is None:
@@ -96,15 +102,24 @@ def select_backend(descriptor: RegionDescriptor, src_pool: torch.Tensor) -> str:
 
 
 def create_sender(descriptor: RegionDescriptor | bytes, src_pool: torch.Tensor,
-                  layout: KVLayout, backend: str = "auto", *, curve: CurveKeys | None = None,
-                  heartbeat_s: float = 1.0, fabric: FakeFabric | None = None) -> Sender:
+                  layout: KVLayout, backend: str = "auto", *, secret: str | None = None,
+                  curve: CurveKeys | None = None, heartbeat_s: float = 1.0,
+                  fabric: FakeFabric | None = None) -> Sender:
     """Open a receiver's region for writes from ``src_pool``.
 
-    Raises :class:`LayoutMismatchError` when ``layout`` differs from the receiver's.
-    ``heartbeat_s`` must be well under the receiver's lease.
+    Raises :class:`LayoutMismatchError` when ``layout`` differs from the receiver's, and
+    ValueError when ``secret`` is given and the receiver does not serve with this deployment's
+    CurveZMQ key (plaintext, or another deployment's). ``heartbeat_s`` must be well under the
+    receiver's lease.
     """
     if isinstance(descriptor, (bytes, bytearray)):
         descriptor = RegionDescriptor.from_bytes(bytes(descriptor))
+    if secret is not None and curve is None and backend != "fake":
+        curve = CurveKeys.from_secret(secret)
+        if descriptor.curve_public_key != curve.public:
+            raise ValueError(f"the receiver at {descriptor.address} does not use this deployment's CurveZMQ key "
+                             f"({'none' if descriptor.curve_public_key is None else 'another'}): it is not "
+                             "of this deployment, or runs without the cluster secret")
     if backend == "auto":
         backend = select_backend(descriptor, src_pool)
     if backend == "fake":

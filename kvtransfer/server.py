@@ -4,19 +4,23 @@ Runs in the receiver's process. The ROUTER binds to an explicit host on a random
 multipart message goes to ``ReceiverCore.handle``. Other threads hand outgoing messages over a
 queue and wake the loop through an inproc PAIR; the same PAIR carries the stop signal. The loop
 also expires leases, so a silent sender's request fails on time without any caller polling.
-Optional CurveZMQ: the socket is a CURVE server, and with an allow-list a ZAP handler thread
-admits only known client keys.
+CurveZMQ (on in the workers, keys from the cluster secret: ``CurveKeys.from_secret``): the
+socket is a CURVE server, and with an allow-list a ZAP handler thread admits only known client
+keys.
 """
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import zmq
+import zmq.utils.z85
 
 from .messages import Message, encode
 from .receiver import ReceiverCore
@@ -28,17 +32,32 @@ RCVHWM = 16            # messages (each <= ~4 MiB, see tcp.MESSAGE_NBYTES) queue
 MAX_BATCH = 64          # messages handled per wake-up before checking for stop/outbox
 
 
+CURVE_KEY_CONTEXT = b"tandem kvtransfer curve key v1"
+
+
 @dataclass(frozen=True)
 class CurveKeys:
     """A CurveZMQ keypair, Z85-encoded (``zmq.curve_keypair()``)."""
 
     public: bytes
-    secret: bytes
+    secret: bytes = field(repr=False)
 
     @classmethod
     def generate(cls) -> CurveKeys:
         public, secret = zmq.curve_keypair()
         return cls(public, secret)
+
+    @classmethod
+    def from_secret(cls, cluster_secret: str) -> CurveKeys:
+        """The deployment's keypair, derived from its cluster secret: every receiver serves with
+        it and admits only it, every sender connects with it. Whoever lacks the secret can
+        neither connect to a receiver nor pose as one (a sender checks the receiver's key)."""
+        if not cluster_secret:
+            raise ValueError("an empty cluster secret derives no CurveZMQ keys")
+        # HMAC-SHA256 as a KDF: 32 uniform bytes are a valid Curve25519 secret key as they are.
+        raw = hmac.new(cluster_secret.encode(), CURVE_KEY_CONTEXT, hashlib.sha256).digest()
+        secret = zmq.utils.z85.encode(raw)
+        return cls(zmq.curve_public(secret), secret)
 
 
 class ZmqServer:

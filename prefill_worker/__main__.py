@@ -37,7 +37,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
 
 def follow(worker, runner: ModelRunner) -> PrefillRank:
     return PrefillRank(runner.kv_pool.tensor, runner.group.rank, runner.group.size, worker.kv_backend,
-                       stall_s=worker.kv_lease_s)
+                       stall_s=worker.kv_lease_s, secret=worker.cluster_secret or None)
 
 
 if __name__ == "__main__":

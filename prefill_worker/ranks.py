@@ -65,8 +65,11 @@ def payload_from_wire(w: list[Any]) -> kvtransfer.NotifyPayload:
 
 class PrefillRank(RoleHandler):
     def __init__(self, pool: torch.Tensor, tp_rank: int, tp_size: int, backend: str,
-                 fabric: kvtransfer.FakeFabric | None = None, stall_s: float = 30.0) -> None:
+                 fabric: kvtransfer.FakeFabric | None = None, stall_s: float = 30.0,
+                 secret: str | None = None) -> None:
+        """``secret``: the cluster secret, so senders connect with CurveZMQ (None: plaintext, tests)."""
         self.pool = pool
+        self.secret = secret
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layout = kvtransfer.KVLayout.of_pool(pool, tp_rank=tp_rank)
         self.backend = backend
@@ -139,7 +142,8 @@ class PrefillRank(RoleHandler):
         descriptor = self.descriptor(descriptors)
         sender = self.senders.get(descriptor)
         if sender is None:
-            sender = kvtransfer.create_sender(descriptor, self.pool, self.layout, self.backend, fabric=self.fabric)
+            sender = kvtransfer.create_sender(descriptor, self.pool, self.layout, self.backend, fabric=self.fabric,
+                                              secret=self.secret)
             self.senders[descriptor] = sender
             self._use[sender] = _SenderUse()
         return sender

@@ -64,7 +64,8 @@ class PrefillLoop(EngineLoop):
         self.fabric = fabric
         group = engine.runner.group
         self.rank = PrefillRank(engine.runner.kv_pool.tensor, 0, 1 if group is None else group.size,
-                                config.kv_backend, fabric, stall_s=config.kv_lease_s)
+                                config.kv_backend, fabric, stall_s=config.kv_lease_s,
+                                secret=config.cluster_secret or None)
         self.ranks = MirroredOps(self.rank, engine.runner.leader)
         self.layout = self.rank.layout
         self.tp_size = self.rank.tp_size
