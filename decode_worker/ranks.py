@@ -6,6 +6,8 @@ receiver state on every rank through mirrored ops (engine/tp_role.py):
 
 - ``["expect", request_id, block_ids, num_layers, lease_s]``: announce a reservation;
 - ``["cancel", request_id, reason]`` / ``["release", request_id]``;
+- ``["fence", request_id, reason]``: the request moves to another prefill worker; the writers
+  so far are refused from now on (kvtransfer ``Receiver.fence``);
 - ``["poll", [request_id, ...]]``: reply ``[done, freeable, not_failed]`` per request, so after
   the min-reduce rank 0 knows whether *every* rank has the transfer done (or freeable).
 """
@@ -33,6 +35,8 @@ class DecodeRank(RoleHandler):
                 self.receiver.cancel(op[1], op[2])
             elif name == "release":
                 self.receiver.release(op[1])
+            elif name == "fence":
+                self.receiver.fence(op[1], op[2])
             elif name == "poll":
                 for request_id in op[1]:
                     reply += self._poll(request_id)

@@ -134,10 +134,19 @@ class DecodeLoop(EngineLoop):
 
     def set_prefill(self, request_id: str, prefill_address: str) -> bool:
         """Point a request that still waits for its KV at another prefill worker (the first one
-        died); the reservation stays. False when the request is unknown or already decoding."""
+        died); the reservation stays, the old writer is fenced. False when the request is
+        unknown, already decoding or its transfer already ended."""
         job = self.jobs.get(request_id)
         if job is None or job.state == "running":
             return False
+        if job.state == "transferring":
+            # The old prefill worker may only look dead: fence it before the new one gets the
+            # blocks, so a late write or notify of its own can neither count as the new one's
+            # nor complete, renew or cancel the transfer.
+            try:
+                self.ranks.run([["fence", request_id, f"moved to prefill worker {prefill_address}"]])
+            except ValueError:
+                return False   # the transfer just ended (done or failed): the next poll settles it
         job.prefill_address = prefill_address
         if job.state == "transferring":
             self.send_destination(job, self.descriptor)

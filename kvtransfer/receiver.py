@@ -59,7 +59,7 @@ class ReceiverCore:
             self.counters[f"rejected_{exc.reason}"] += 1
             logger.debug("rejected message from peer=%s: %s", peer.hex(), exc)
             # Tell a sender still writing for a dead request to stop (it answers with an ack).
-            if (exc.reason in ("unknown_request", "inactive_request")
+            if (exc.reason in ("unknown_request", "inactive_request", "fenced_writer")
                     and isinstance(msg, (WritePayload, WriteDone, Notify))):
                 return [(peer, Cancel(msg.request_id, exc.reason))]
             return []
@@ -181,6 +181,16 @@ class Receiver:
             peers = self._core.table.cancel(request_id, reason)
             self._core.cond.notify_all()
         logger.info("cancel request_id=%s reason=%s peers=%d", request_id, reason, len(peers))
+        for peer in peers:
+            self._transport.send(peer, Cancel(request_id, reason))
+
+    def fence(self, request_id: str, reason: str = "moved to another writer") -> None:
+        """Hand an unfinished request to a new writer (failover): the writers so far are told to
+        stop and refused from now on; the new one must write every layer and notify again."""
+        with self._core.cond:
+            peers = self._core.table.fence(request_id)
+            self._core.cond.notify_all()
+        logger.info("fence request_id=%s reason=%s peers=%d", request_id, reason, len(peers))
         for peer in peers:
             self._transport.send(peer, Cancel(request_id, reason))
 

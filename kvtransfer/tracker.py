@@ -6,6 +6,12 @@ WAITING → TRANSFERRING on the first sign of its sender, and ends DONE (every (
 landed and the notify arrived), FAILED (lease ran out: no sender activity for ``lease_s``)
 or CANCELLED (either side). Its blocks stay owned until :meth:`RequestTable.release`, and a
 terminal request reports ``blocks_freeable`` only when no writer can still touch them.
+
+When the receiver hands a request to another writer (failover to a new prefill worker),
+:meth:`RequestTable.fence` starts a new epoch: what landed so far no longer counts, and every
+writer seen so far is fenced -- its writes (rejected before a byte is copied on tcp), notifies,
+heartbeats and cancels for that request are refused from then on, so a late writer can neither
+complete, renew nor cancel the new writer's transfer.
 """
 from __future__ import annotations
 
@@ -60,6 +66,8 @@ class _Request:
     peers: set[bytes] = field(default_factory=set)
     acks_pending: set[bytes] = field(default_factory=set)
     free_at: float | None = None        # cancelled, waiting for acks: freeable from this time on
+    epoch: int = 0                      # writers handed this request so far, minus one
+    fenced: set[bytes] = field(default_factory=set)   # writers of earlier epochs
 
 
 class RequestTable:
@@ -113,6 +121,22 @@ class RequestTable:
         req.acks_pending = set(req.peers)
         req.free_at = self._clock() + req.lease_s
         return sorted(req.peers)
+
+    def fence(self, request_id: str) -> list[bytes]:
+        """Hand an unfinished request to a new writer: a new epoch, nothing landed, its lease
+        renewed, every writer so far fenced. Returns the fenced peers (to be told to stop)."""
+        req = self._get(request_id)
+        if req.status.terminal:
+            raise ValueError(f"request_id={request_id!r} is {req.status.value}; only an unfinished one moves")
+        old = sorted(req.peers)
+        req.fenced |= req.peers
+        req.peers = set()
+        req.epoch += 1
+        req.landed[:] = False
+        req.payload = None
+        req.status = TransferStatus.WAITING
+        req.deadline = self._clock() + req.lease_s
+        return old
 
     def result(self, request_id: str) -> TransferResult:
         req = self._get(request_id)
@@ -188,7 +212,7 @@ class RequestTable:
         stale = []
         for request_id in request_ids:
             req = self._requests.get(request_id)
-            if req is None or req.status.terminal:
+            if req is None or req.status.terminal or peer in req.fenced:
                 stale.append(request_id)
             else:
                 self._touch(req, peer)
@@ -196,6 +220,8 @@ class RequestTable:
 
     def cancelled_by_sender(self, peer: bytes, request_id: str, reason: str) -> None:
         req = self._get_known(request_id)
+        if peer in req.fenced:
+            return   # a fenced writer giving up: it no longer speaks for this request
         if not req.status.terminal:
             # The sender sends this after its last write to us, so no write can follow it.
             self._finish(req, TransferStatus.CANCELLED, f"cancelled by sender: {reason}")
@@ -227,6 +253,8 @@ class RequestTable:
         req = self._get_known(request_id)
         if req.status.terminal:
             raise MessageError("inactive_request", f"request_id={request_id} is {req.status.value}")
+        if peer in req.fenced:
+            raise MessageError("fenced_writer", f"request_id={request_id} moved to another writer")
         return req
 
     def _touch(self, req: _Request, peer: bytes) -> None:
