@@ -3,6 +3,7 @@ the openai client and the SDK agree, disconnects free every block, and kill -9 o
 decode worker mid-stream leaves every request complete with the undisturbed greedy text."""
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import subprocess
@@ -27,14 +28,15 @@ from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_di
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "tiny"
+LOG_INTERVAL_S = 0.1    # a decode worker adds to tandem_generation_tokens_total this often
 
 
 class WorkerProcess(Launched):
     def __init__(self, role: str, model: Path, log_dir: Path) -> None:
         self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")  # noqa: SIM115
-        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "-1", "--dtype", "float32",
+        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype", "float32",
                                 "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "256",
-                                "--block-size", "16", "--kv-lease-s", "3"],
+                                "--block-size", "16", "--kv-lease-s", "3", "--log-interval-s", str(LOG_INTERVAL_S)],
                          stderr=self.log, env={"OMP_NUM_THREADS": "1"})
         self.address = self.grpc
 
@@ -132,14 +134,54 @@ def test_tandem_bench_against_the_real_stack(cluster, tmp_path):
                    ("latency_cdf.png", "tokens_per_s.png", "ttft_vs_prompt_len.png"))
 
 
-def test_disconnect_mid_stream_leaves_no_blocks_used(cluster):
-    router, _ = cluster
+def _blocks_used(router, loop_thread, workers: list[WorkerProcess]) -> dict[str, int]:
+    """kv_blocks_used asked of each worker now, through the router's own stubs (its cluster view
+    is only as fresh as the last heartbeat)."""
+    async def poll() -> dict[str, int]:
+        states = [router.registry.get(w.address) for w in workers]
+        await asyncio.gather(*(router.registry.poll(state) for state in states))
+        return {state.address: state.stats.kv_blocks_used for state in states}
+    return loop_thread.run(poll())
+
+
+def _generated_tokens(decoders: list[WorkerProcess]) -> float:
+    """Tokens the decode workers generated so far, once their counters stopped moving."""
+    def read() -> float:
+        total = 0.0
+        for w in decoders:
+            text = httpx.get(f"http://{w.metrics}/metrics", timeout=10).text
+            total += float(next(l for l in text.splitlines()
+                                if l.startswith("tandem_generation_tokens_total{")).split()[-1])
+        return total
+    last = read()
+    while True:
+        time.sleep(3 * LOG_INTERVAL_S)
+        now = read()
+        if now == last:
+            return now
+        last = now
+
+
+def test_disconnect_mid_stream_leaves_no_blocks_used(cluster, loop_thread):
+    """Each disconnect must stop generation: without the abort the request would run to
+    max_tokens. Blocks are seen in use before the disconnect and free after it."""
+    router, workers = cluster
     client = _client(router)
+    every = workers["prefill"] + workers["decode"]
+    max_tokens = 240     # with the short prompt, nearly all the tiny model's 256 positions
     for _ in range(3):
-        stream = client.completions.create(model=NAME, prompt="Tell me a story", max_tokens=200, stream=True,
+        before = _generated_tokens(workers["decode"])
+        stream = client.completions.create(model=NAME, prompt="Tell me a story", max_tokens=max_tokens, stream=True,
                                            temperature=0, extra_body={"ignore_eos": True})
         next(iter(stream))
+        assert any(_blocks_used(router, loop_thread, workers["decode"]).values())
         stream.close()
+        deadline = time.monotonic() + 20
+        while any(used := _blocks_used(router, loop_thread, every).values()):
+            assert time.monotonic() < deadline, f"blocks still used: {used}"
+            time.sleep(0.05)
+        generated = _generated_tokens(workers["decode"]) - before
+        assert 1 <= generated < max_tokens, "generation must stop at the disconnect, not run to max_tokens"
     _wait_no_blocks(router)
 
 

@@ -22,22 +22,40 @@ from tests.workers.harness import (collect, generate, greedy, open_generate, sub
 LEASE_S = 30          # the backstop; every test here must free blocks far sooner
 FREED_WITHIN_S = 5.0
 PREFILL_CHUNK = 1     # tokens per prefill step: a 240-token prompt takes 240 steps
+LOG_INTERVAL_S = 0.1  # the decode worker adds to tandem_generation_tokens_total this often
+LONG_MAX_TOKENS = 240  # with a 12-token prompt, all the tiny model's 256 positions
 
 
 @pytest.fixture(scope="module")
 def pair(spawn_module, tiny_dir):
-    flags = [*pool_flags(), "--kv-lease-s", str(LEASE_S)]
+    flags = [*pool_flags(), "--kv-lease-s", str(LEASE_S), "--log-interval-s", str(LOG_INTERVAL_S)]
     prefill = spawn_module("prefill", tiny_dir, *flags, "--chunked-prefill-size", str(PREFILL_CHUNK))
     decode = spawn_module("decode", tiny_dir, *flags)
     return prefill, decode
 
 
-def prompt_tokens_total(prefill) -> float:
+def counter_total(worker, name: str) -> float:
     import urllib.request
 
-    text = urllib.request.urlopen(f"http://{prefill.metrics}/metrics", timeout=10).read().decode()
-    line = next(l for l in text.splitlines() if l.startswith("tandem_prompt_tokens_total{"))
+    text = urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10).read().decode()
+    line = next(l for l in text.splitlines() if l.startswith(name + "{"))
     return float(line.split()[-1])
+
+
+def prompt_tokens_total(prefill) -> float:
+    return counter_total(prefill, "tandem_prompt_tokens_total")
+
+
+def settled_generation_tokens(decode) -> float:
+    """The decode worker's tokens generated so far, once its counter stopped moving (it is
+    brought up to date every LOG_INTERVAL_S)."""
+    last = counter_total(decode, "tandem_generation_tokens_total")
+    while True:
+        time.sleep(3 * LOG_INTERVAL_S)
+        now = counter_total(decode, "tandem_generation_tokens_total")
+        if now == last:
+            return now
+        last = now
 
 
 def check_fresh_request(prefill, decode, reference, request_id: str) -> None:
@@ -94,20 +112,25 @@ def test_cancel_while_decode_waits_for_kv(pair, reference):
 
 
 def test_cancel_during_decode(pair, reference):
+    """The cancel must stop generation: without it the request would run to LONG_MAX_TOKENS."""
     prefill, decode = pair
     wait_idle(prefill, decode)
+    generated_before = settled_generation_tokens(decode)
     [prompt] = prompts_for([12], seed=7300)
-    call = open_generate(decode, prefill.grpc, "cancel-decode", prompt, greedy(200))
-    submit(prefill, decode.grpc, "cancel-decode", prompt, greedy(200))
+    call = open_generate(decode, prefill.grpc, "cancel-decode", prompt, greedy(LONG_MAX_TOKENS))
+    submit(prefill, decode.grpc, "cancel-decode", prompt, greedy(LONG_MAX_TOKENS))
     tokens = []
     for response in call:
         tokens += response.token_ids
         if len(tokens) >= 3:
             break
-    assert decode.stats().num_running == 1
+    in_use = decode.stats()   # asked after tokens arrived: the request holds its blocks now
+    assert in_use.num_running == 1 and in_use.kv_blocks_used > 0, in_use
     call.cancel()
     wait_idle(prefill, decode, timeout_s=FREED_WITHIN_S)
     assert decode.stats().num_running == 0
+    generated = settled_generation_tokens(decode) - generated_before
+    assert len(tokens) <= generated < LONG_MAX_TOKENS, "generation must stop at the cancel, not run to max_tokens"
     [expected] = reference([prompt], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert tokens[:3] == expected.token_ids
     check_fresh_request(prefill, decode, reference, "after-cancel-decode")
