@@ -8,6 +8,7 @@ pool of the receiver's own layout.
 """
 from __future__ import annotations
 
+import inspect
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import grpc
 import torch
 
 import kvtransfer
+from protos.auth import load_secret
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -63,7 +65,10 @@ class RoguePrefill:
         dest = self.destination(request_id)
         layout = kvtransfer.RegionDescriptor.from_bytes(dest.descriptor).layout
         pool = torch.zeros(layout.pool_shape(max(dest.block_ids) + 1), dtype=layout.torch_dtype)
-        sender = kvtransfer.create_sender(dest.descriptor, pool, layout, backend, heartbeat_s=0.2)
+        # The session's cluster secret (tests/conftest.py), so the sender speaks CurveZMQ where the
+        # workers do; kvtransfer takes it once CurveZMQ is on by default.
+        options = {"secret": load_secret()} if "secret" in inspect.signature(kvtransfer.create_sender).parameters else {}
+        sender = kvtransfer.create_sender(dest.descriptor, pool, layout, backend, heartbeat_s=0.2, **options)
         self._senders.append(sender)
         return sender, dest
 

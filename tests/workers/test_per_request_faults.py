@@ -24,23 +24,8 @@ def expected(reference) -> list[int]:
     return out.token_ids
 
 
-@pytest.fixture(scope="module", autouse=True)
-def cluster_secret():
-    """Workers need the cluster secret (protos/auth.py); every harness channel sends it."""
-    from protos import auth
-    from tests.workers import harness
-
-    secret = auth.new_secret()
-    plain = grpc.insecure_channel
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(auth.SECRET_ENV, secret)
-        mp.setattr(harness.grpc, "insecure_channel", lambda address: grpc.intercept_channel(
-            plain(address), auth.SecretClientInterceptor(secret)))
-        yield secret
-
-
 @pytest.fixture(scope="module")
-def pair(cluster_secret, spawn_module, tiny_dir):
+def pair(spawn_module, tiny_dir):
     prefill = spawn_module("prefill", tiny_dir, *pool_flags())
     decode = spawn_module("decode", tiny_dir, *pool_flags(), "--kv-lease-s", "3")
     return prefill, decode
