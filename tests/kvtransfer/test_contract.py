@@ -12,7 +12,7 @@ import torch
 
 from kvtransfer import (KVLayout, LayoutMismatchError, NotifyPayload, TransferCancelled,
                         TransferStatus, create_sender)
-from tests.kvtransfer.conftest import (REPO_ROOT, SRC_BLOCKS, make_pair, random_pool, u8)
+from tests.kvtransfer.conftest import (CONTRACT_BACKENDS, REPO_ROOT, SRC_BLOCKS, make_pair, random_pool, u8)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -271,10 +271,17 @@ def test_sender_killed_mid_request(backend, layout):
 
 
 
-def test_open_keeps_a_queued_request_alive_past_its_lease(pair):
+@pytest.fixture(params=[b for b in CONTRACT_BACKENDS if b != "fake"])
+def threaded_pair(request: pytest.FixtureRequest, layout: KVLayout):
+    """Backends with a sender thread (the in-process fake has none: its leases are the caller's)."""
+    p = make_pair(request.param, layout)
+    yield p
+    p.close()
+
+
+def test_open_keeps_a_queued_request_alive_past_its_lease(threaded_pair):
     """A sender that opens a request heartbeats it before any write (prefill queues)."""
-    if pair.backend == "fake":
-        pytest.skip("the in-process fake has no heartbeat thread; leases there are the caller's")
+    pair = threaded_pair
     sender = pair.sender(heartbeat_s=0.1)
     pair.receiver.expect("queued", [0, 1], lease_s=0.6)
     sender.open("queued").result(timeout=5)
