@@ -28,6 +28,7 @@ from engine.model_source import resolve_model
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
+_GIL_FREE_ENCODE_CHARS = 4096
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -354,7 +355,13 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; BOS is prepended only when the model asks for it."""
-        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if len(text) > _GIL_FREE_ENCODE_CHARS:
+            # tokenizers' encode holds the GIL throughout (seconds for megabytes of text), its
+            # encode_batch releases it: the router tokenizes large prompts on a thread while its
+            # event loop keeps serving.
+            ids = self._backend.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token:
             return [self.bos_token_id, *ids]
         return ids

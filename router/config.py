@@ -23,7 +23,7 @@ class RouterConfig:
     max_waiting: int = 1024                # sub-requests (prompts x n) waiting for their first token before 429
     max_sub_requests: int = 128            # prompts x n in one request; more is a 400
     max_prompt_chars: int = 4 << 20        # characters of a text prompt, or of all chat messages together
-    max_request_body_bytes: int = 32 << 20  # HTTP request body, checked before parsing (413)
+    max_request_body_bytes: int = 16 << 20  # HTTP request body, checked before parsing (413)
     allowed_hosts: tuple[str, ...] = field(default_factory=tuple)   # HTTP Host header allow-list against
     #                                        DNS rebinding (host or host:port; empty = any host)
     heartbeat_interval_s: float = 1.0      # Stats poll period per worker

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router import errors
@@ -40,6 +41,39 @@ def chunk_to_proto(request_id: str, chunk: TextChunk) -> tandem_pb2.CompletionCh
     return msg
 
 
+class Undecodable:
+    """Stands in for a request message protobuf could not parse (DecodeErrorInterceptor)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Hands a Tandem method an ``Undecodable`` for bytes protobuf cannot parse (a string field
+    that is not UTF-8, a truncated message), so the servicer answers INVALID_ARGUMENT where
+    grpc would say UNKNOWN. Only the deserializer is wrapped: nothing is added per message."""
+
+    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
+                                details: grpc.HandlerCallDetails):
+        handler = await continuation(details)
+        if (handler is None or handler.request_streaming or handler.request_deserializer is None
+                or not details.method.startswith(f"/{SERVICE_NAME}/")):
+            return handler
+        parse = handler.request_deserializer
+
+        def lenient(data: bytes):
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                return Undecodable(str(exc))
+        return handler._replace(request_deserializer=lenient)
+
+
+async def _refuse_undecodable(request, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message: {request.reason}")
+
+
 class TandemServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
@@ -58,6 +92,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
     async def Generate(self, request: tandem_pb2.CompletionRequest, context):
+        await _refuse_undecodable(request, context)
         def prepare() -> PreparedRequest:
             self.frontend.check_model(request.model)
             return self.frontend.prepare_prompt(request.prompt, request.prompt_token_ids, request.sampling,
@@ -66,6 +101,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             yield msg
 
     async def Chat(self, request: tandem_pb2.ChatRequest, context):
+        await _refuse_undecodable(request, context)
         def prepare() -> PreparedRequest:
             self.frontend.check_model(request.model)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]

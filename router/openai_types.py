@@ -152,7 +152,7 @@ def _first_unencodable(value, path: tuple) -> tuple | None:
     if isinstance(value, dict):
         for key, v in value.items():
             if unencodable(key):
-                return path + ("<key>",)
+                return path   # a key: name the object holding it
             if p := _first_unencodable(v, path + (key,)):
                 return p
     return None
@@ -179,7 +179,8 @@ def parse_body(raw: bytes, model: type[Body]) -> Body:
         raise invalid_request("the body must be a JSON object")
     bad = _first_unencodable(data, ())
     if bad is not None:
-        raise invalid_request(f"{_param(bad)} must be valid Unicode (no lone surrogates)", _param(bad))
+        param = ".".join(map(str, bad)) or None
+        raise invalid_request(f"{param or 'the body'} must be valid Unicode (no lone surrogates)", param)
     try:
         return model.model_validate(data)
     except ValidationError as exc:

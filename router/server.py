@@ -27,7 +27,7 @@ from router.admin_api import AdminServicer
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Frontend
-from router.grpc_api import SERVICE_NAME, ApiKeyInterceptor, TandemServicer
+from router.grpc_api import SERVICE_NAME, ApiKeyInterceptor, DecodeErrorInterceptor, TandemServicer
 from router.http_api import create_app
 from router.metrics import RouterMetrics
 from router.policies import make_policy
@@ -80,6 +80,7 @@ class Router:
         interceptors = [SecretInterceptor(self._secret, [ADMIN_SERVICE_NAME], missing=grpc.StatusCode.PERMISSION_DENIED)]
         if c.api_key:
             interceptors.append(ApiKeyInterceptor(c.api_key))
+        interceptors.append(DecodeErrorInterceptor())
         server = self._grpc = grpc.aio.server(interceptors=interceptors, options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.frontend), server)
