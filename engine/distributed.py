@@ -10,6 +10,9 @@ Control messages are ``(kind, msgpack body)``: an int64 header ``[kind, nbytes]`
 from rank 0, then the body as a uint8 tensor (typed msgpack only). Rank 0's :class:`Leader` wraps every
 exchange in a lock-held transaction and pings idle followers, so a follower whose rank 0 is
 gone (killed, or stuck) errors out of its receive within ``timeout_s``.
+
+Rank 0 binds the store's listening socket itself, on ``dist_host`` only, and hands torch its
+descriptor: a TCPStore given just a host and port listens on every interface.
 """
 from __future__ import annotations
 
@@ -45,8 +48,16 @@ class TPGroup:
         self.rank, self.size = config.tp_rank, config.tensor_parallel_size
         self.device = device
         timeout = timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(config.dist_host, config.dist_port, self.size, is_master=self.rank == 0,
-                                   timeout=timeout)
+        listener = _listen(config.dist_host, config.dist_port) if self.rank == 0 else None
+        try:
+            self.store = dist.TCPStore(config.dist_host, config.dist_port, self.size, is_master=self.rank == 0,
+                                       timeout=timeout, master_listen_fd=None if listener is None else listener.fileno())
+        except BaseException:
+            if listener is not None:
+                listener.close()
+            raise
+        if listener is not None:
+            listener.detach()   # the store owns the descriptor now and closes it when it goes
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=config.dist_host)]
@@ -181,6 +192,20 @@ class Leader:
             with contextlib.suppress(Exception):
                 with self._lock:
                     self.group.send(STOP)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` alone, for rank 0's TCPStore."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def free_local_port(host: str = "127.0.0.1") -> int:
