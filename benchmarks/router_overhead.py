@@ -2,7 +2,7 @@
 
     python benchmarks/router_overhead.py [--tokens 8] [--pace-ms 1] [--requests 2000] [--concurrency 64]
 
-Three processes, like a deployment on one host: fake workers (router.fake_workers: real gRPC
+Three processes, like a deployment on one host: fake workers (tests/router/fake_workers.py: real gRPC
 servers streaming one token per --pace-ms, no model), the router (`python -m router`), and this
 load generator. Added latency = a request's end-to-end time through the router (SDK -> router
 -> workers) minus the same request sent straight to the fake workers the way the router sends
@@ -39,7 +39,7 @@ from router.client import AsyncTandemClient  # noqa: E402
 
 
 async def serve_fakes(pace_s: float) -> None:
-    from router.fake_workers import FakeWorker
+    from tests.router.fake_workers import FakeWorker
     prefill = await FakeWorker("prefill").start()
     decode = await FakeWorker("decode", token_interval_s=pace_s).start()
     print(json.dumps({"prefill": prefill.address, "decode": decode.address}), flush=True)

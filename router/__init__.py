@@ -4,5 +4,5 @@ Runs in the router process (``python -m router``); never imports torch, and of `
 ``engine.tokenizer``. Map: server.py (both servers on one loop) -> grpc_api.py / http_api.py
 -> frontend.py (validate, tokenize, detokenize, stop strings; coalesce.py batches what arrives
 while a client is slow) -> dispatch.py (P/D pair, streaming, failover) -> registry.py
-(membership, heartbeats) + policies/. client.py is the SDK; fake_workers.py the workers' twins.
+(membership, heartbeats) + policies/. client.py is the SDK; the workers' twins are tests/router/fake_workers.py.
 """

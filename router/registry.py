@@ -198,7 +198,7 @@ class WorkerRegistry:
         return None
 
     def _model_mismatch(self, stats: worker_pb2.StatsResponse) -> str:
-        # Real workers report a fingerprint; in-process fakes (router/fake_workers.py) do not.
+        # Real workers report a fingerprint; in-process fakes (tests/router/fake_workers.py) do not.
         if not self.model or not stats.fingerprint or same_model(stats.model, self.model):
             return ""
         return f"it serves model {stats.model!r} ({stats.fingerprint}) but this router serves {self.model!r}"

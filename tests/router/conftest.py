@@ -1,6 +1,6 @@
 """Fixtures for the router tests: an asyncio loop on a thread, fake workers, an in-process router.
 
-The router and the fake workers (router.fake_workers, the in-process twins of the worker
+The router and the fake workers (tests/router/fake_workers.py, the in-process twins of the worker
 processes) run on one background loop, so the tests can drive them with blocking clients
 (openai, httpx, TandemClient) exactly as users do.
 """
@@ -15,7 +15,7 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
-from router.fake_workers import FakeWorker
+from tests.router.fake_workers import FakeWorker
 from router.server import Router
 
 MODEL = "smollm2-135m-instruct"

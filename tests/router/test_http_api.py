@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from router.config import RouterConfig
-from router.fake_workers import fake_completion
+from tests.router.fake_workers import fake_completion
 from router.server import Router
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
 

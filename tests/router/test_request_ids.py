@@ -10,7 +10,7 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router.client import AsyncTandemClient, TandemError
-from router.fake_workers import fake_completion
+from tests.router.fake_workers import fake_completion
 from tests.router.test_dispatch import run, until
 
 
