@@ -95,7 +95,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="capacity answers before OOM: KV blocks, concurrency, max_model_len",
                        description="Capacity arithmetic from the model's architecture (no weights loaded).")
-    p.add_argument("--model", default=ModelConfig.model, help="built-in name, HF directory or .gguf file")
+    p.add_argument("--model", default=ModelConfig.model,
+                   help="built-in name, HF directory, .gguf file or Hugging Face id (org/name)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a Hugging Face id")
+    p.add_argument("--download-dir", default=None,
+                   help="HF cache directory for Hugging Face ids (default: HF_HUB_CACHE)")
     p.add_argument("--memory", default=None,
                    help="device memory per GPU, e.g. 80GB or 80GiB, or 'auto' (this machine's CUDA device); "
                         "unset: a CPU worker, whose KV pool is --kv-cache-memory (default 1 GiB)")
@@ -135,7 +139,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, on_cuda=memory is not None)
     workload = (read_workload(args.request_log) if args.request_log is not None
                 else Workload(args.input_len, args.output_len))
-    plan = make_plan(load_arch(resolve_model(args.model)), args.model, dtype=dtype, block_size=args.block_size,
+    source = resolve_model(args.model, args.revision, args.download_dir)
+    plan = make_plan(load_arch(source), args.model, dtype=dtype, block_size=args.block_size,
                      tensor_parallel_size=args.tensor_parallel_size, workload=workload, memory_bytes=memory,
                      gpu_memory_utilization=args.gpu_memory_utilization,
                      kv_cache_memory=None if args.kv_cache_memory is None else parse_bytes(args.kv_cache_memory),

@@ -14,7 +14,10 @@ from typing import Any
 _ALIASES = {"max_num_seqs": ["--max-running-requests"],
             "gpu_memory_utilization": ["--mem-fraction-static"]}
 _HELP = {
-    "model": "built-in model name, HF model directory or .gguf file",
+    "model": "built-in model name, HF model directory, .gguf file or Hugging Face id (org/name; "
+             "from the local HF cache, else downloaded once per node; HF_HUB_OFFLINE, HF_TOKEN apply)",
+    "revision": "branch, tag or commit of a Hugging Face id",
+    "download_dir": "HF cache directory for Hugging Face ids (default: HF_HUB_CACHE)",
     "dtype": "weights/activations dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/amx_bf16), float32 on other CPUs)",
     "device": "cpu, cuda or auto",
     "max_model_len": "longest prompt + output accepted (default: the model's context length)",

@@ -41,10 +41,15 @@ class ModelConfig:
     device: str = "auto"         # auto = cuda when available, else cpu
     max_model_len: int | None = None  # None = the model's own context length
     attention_backend: str = "auto"   # auto = triton on CUDA, cpu (C kernels; torch if they cannot build) on CPU
+    revision: str | None = None       # branch, tag or commit of a Hugging Face id (default: main)
+    download_dir: str | None = None   # HF cache for Hugging Face ids (default: HF_HUB_CACHE)
 
     def __post_init__(self) -> None:
         if not self.model:
-            raise ValueError("model must name a model: a built-in name, an HF directory or a .gguf file")
+            raise ValueError("model must name a model: a built-in name, an HF directory, a .gguf file "
+                             "or a Hugging Face id (org/name)")
+        if self.revision is not None and not self.revision.strip():
+            raise ValueError("revision must be a branch, tag or commit; leave it unset for main")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {_DTYPES}")
         if self.device not in _DEVICES:

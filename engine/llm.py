@@ -73,7 +73,8 @@ class LLM:
         parallel = ParallelConfig()
         if tensor_parallel_size > 1:
             # Fail before spawning anything when the heads cannot be split.
-            check_tensor_parallel(load_arch(resolve_model(model_config.model)), tensor_parallel_size)
+            source = resolve_model(model_config.model, model_config.revision, model_config.download_dir)
+            check_tensor_parallel(load_arch(source), tensor_parallel_size)
             self.followers = LocalFollowers(model_config, cache_config, scheduler_config, tensor_parallel_size)
             parallel = self.followers.parallel
         try:

@@ -111,7 +111,7 @@ class ModelRunner:
         self.parallel = parallel
         self.device = pick_device(model_config, parallel.tp_rank)
         self.dtype = pick_dtype(model_config, self.device)
-        checkpoint = Checkpoint(resolve_model(model_config.model))
+        checkpoint = Checkpoint(resolve_model(model_config.model, model_config.revision, model_config.download_dir))
         self.source = checkpoint.source
         self.arch: ArchConfig = checkpoint.arch
         check_tensor_parallel(self.arch, parallel.tensor_parallel_size)  # before waiting for peers

