@@ -157,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtypes.split(","):
         torch.set_num_threads(max(threads))
         prefill_steps = -(-max(batches) * max(contexts) // args.chunked_prefill_size) + 1
-        max_len = max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16
+        max_len = max(max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16,
+                      args.prefill_len)
         engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device="cpu", max_model_len=max_len),
                            CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32) * engine_kv_bytes_per_token(args.model, dtype),
                                        enable_prefix_caching=False, shared_memory=False),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import json
 import os
 import select
@@ -40,23 +41,30 @@ class WorkerStartError(RuntimeError):
     """The service exited or stayed silent instead of reporting ready."""
 
 
-def _die_with_parent() -> None:
-    os.setsid()
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _in_child(die_with_parent: bool, nice: int) -> None:
+    """Runs in the child before exec: its own session, killed with its parent; ``nice`` more
+    niceness (a lower CPU priority: cores it shares with the other processes go to them first)."""
+    if die_with_parent:
+        os.setsid()
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if nice:
+        os.nice(nice)
 
 
 class ServiceProcess:
     """One child process that reports readiness with a ``<prefix>{json}`` line on stdout."""
 
     def __init__(self, name: str, argv: list[str], ready_prefix: str, *, stderr: IO[bytes] | None = None,
-                 env: dict[str, str] | None = None, die_with_parent: bool = False, stderr_tail: int = 0) -> None:
+                 env: dict[str, str] | None = None, die_with_parent: bool = False, stderr_tail: int = 0,
+                 nice: int = 0) -> None:
         self.name = name
         self.ready_prefix = ready_prefix
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self._tail: collections.deque[str] = collections.deque(maxlen=max(stderr_tail, 1))
         self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, env=env,
                                      stderr=subprocess.PIPE if stderr_tail else stderr,
-                                     preexec_fn=_die_with_parent if die_with_parent else None)
+                                     preexec_fn=functools.partial(_in_child, die_with_parent, nice)
+                                     if die_with_parent or nice else None)
         self._stderr_thread = None
         if stderr_tail:
             self._stderr_thread = threading.Thread(target=self._pump_stderr, name=f"{name}-stderr", daemon=True)

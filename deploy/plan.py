@@ -11,6 +11,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from engine.config import resolve_chunked_prefill_size
 from engine.capacity import capacity_lines
 from engine.models.arch import ArchConfig
 
@@ -94,6 +95,7 @@ def make_plan(arch: ArchConfig, model: str, *, dtype: str, block_size: int, tens
               kv_cache_memory: int | None, max_model_len: int | None, chunked_prefill_size: int,
               max_num_seqs: int, activation_bytes: int | None = None) -> Plan:
     tp = tensor_parallel_size
+    chunked_prefill_size = resolve_chunked_prefill_size(chunked_prefill_size, on_cuda=memory_bytes is not None)
     if arch.num_kv_heads % tp:
         raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {arch.num_kv_heads} KV heads")
     itemsize = DTYPE_BYTES[dtype]

@@ -79,6 +79,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-worker", type=float, default=0.1,
                    help="Ray CPU demand per worker rank on CPU-only clusters (default 0.1, so router + 2 "
                         "workers fit on 2 cores); GPU clusters reserve 1 GPU + 1 CPU per rank")
+    p.add_argument("--prefill-nice", type=int, default=5, choices=range(0, 20), metavar="0-19",
+                   help="niceness of prefill workers on CPU-only clusters (default 5): where they share cores "
+                        "with decode workers, a decode step (on the critical path of every running stream) "
+                        "goes first and prefill takes the rest")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
     p.add_argument("--log-level", default="INFO")
     add_config_args(p, ModelConfig)
@@ -305,7 +309,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
-                     internal_host=internal_host(len(alive_nodes)))
+                     internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice)
     controller = Controller.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(

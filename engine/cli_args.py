@@ -30,7 +30,7 @@ _HELP = {
     "enable_prefix_caching": "reuse cached prompt blocks",
     "shared_memory": "CPU: allocate the KV pool in /dev/shm so kvtransfer can map it",
     "max_num_seqs": "decode batch cap",
-    "chunked_prefill_size": "prefill tokens per step",
+    "chunked_prefill_size": "prefill tokens per step (0 = auto: 512 on CPU, 2048 on CUDA)",
     "schedule_policy": "fcfs or lpm (longest prefix match first)",
     "schedule_conservativeness": "scales the future-token room reserved for running requests",
     "tensor_parallel_size": "ranks (processes, one per GPU) of one replica; must divide the model's "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.block_manager import BlockAllocator
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
@@ -55,7 +55,8 @@ class LLMEngine:
         self.model_name = model_config.model
         self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.block_size,
                                         cache_config.enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.allocator, self.max_model_len)
+        self.scheduler = Scheduler(replace(scheduler_config, chunked_prefill_size=self.runner.max_num_batched_tokens),
+                                   self.allocator, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | set(self.runner.arch.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}

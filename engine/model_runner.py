@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, resolve_dtype
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, resolve_chunked_prefill_size, resolve_dtype
 from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVLayout, KVPool, capacity_lines
 from engine.loader import Checkpoint, resolve_model
@@ -111,6 +111,7 @@ class ModelRunner:
         self.parallel = parallel
         self.device = pick_device(model_config, parallel.tp_rank)
         self.dtype = pick_dtype(model_config, self.device)
+        self.max_num_batched_tokens = resolve_chunked_prefill_size(max_num_batched_tokens, self.device.type == "cuda")
         checkpoint = Checkpoint(resolve_model(model_config.model, model_config.revision, model_config.download_dir))
         self.source = checkpoint.source
         self.arch: ArchConfig = checkpoint.arch
@@ -121,7 +122,7 @@ class ModelRunner:
         self.leader: Leader | None = None
         self.kv_pool: KVPool | None = None
         try:
-            self._start(model_config, cache_config, max_num_batched_tokens, checkpoint)
+            self._start(model_config, cache_config, self.max_num_batched_tokens, checkpoint)
         except BaseException:
             self.close()
             raise

@@ -42,6 +42,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, max_model_len: int) -> None:
+        if config.chunked_prefill_size < 1:
+            raise ValueError("the scheduler needs a resolved chunked_prefill_size (see resolve_chunked_prefill_size)")
         self.config = config
         self.allocator = allocator
         self.block_size = allocator.block_size

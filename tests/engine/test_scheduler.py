@@ -20,6 +20,7 @@ NEXT_TOKEN = 7
 
 
 def make_scheduler(num_blocks: int, block_size: int, max_model_len: int = 256, **config) -> Scheduler:
+    config.setdefault("chunked_prefill_size", 2048)
     return Scheduler(SchedulerConfig(**config), BlockAllocator(num_blocks, block_size), max_model_len)
 
 
