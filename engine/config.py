@@ -2,6 +2,8 @@
 
 One dataclass per component; CLI flags map 1:1 onto these fields. Validation happens in
 ``__post_init__`` and raises ``ValueError`` with a message that says what to change.
+``check_sampling`` is the one home of the sampling range checks: SamplingParams runs it, and
+so does the router process (this module imports no torch), so both refuse the same values.
 """
 from __future__ import annotations
 
