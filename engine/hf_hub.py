@@ -68,6 +68,7 @@ def snapshot_path(repo_id: str, revision: str | None = None, download_dir: str |
     cache = cache_dir(download_dir)
     found = _cached(repo_id, revision, cache)
     if found is not None:
+        logger.info("model %s (revision %s) from the HF cache: %s", repo_id, revision, found)
         return found
     if offline():
         raise HubModelError(
@@ -80,8 +81,10 @@ def snapshot_path(repo_id: str, revision: str | None = None, download_dir: str |
         found = _cached(repo_id, revision, cache)
         if found is not None:
             return found
-        logger.info("downloading %s (revision %s) into %s", repo_id, revision, cache)
-        return _download(repo_id, revision, cache)
+        logger.info("downloading model %s (revision %s) into %s", repo_id, revision, cache)
+        path = _download(repo_id, revision, cache)
+        logger.info("model %s (revision %s) downloaded: %s", repo_id, revision, path)
+        return path
 
 
 def _cached(repo_id: str, revision: str, cache: Path) -> Path | None:
