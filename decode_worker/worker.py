@@ -245,6 +245,7 @@ class DecodeLoop(EngineLoop):
                 del self.transferring[request_id]
                 self.cancelled[request_id] = job.block_ids
                 self.jobs.pop(request_id, None)
+                self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer failed request_id=%s: %s", request_id, reason)
                 error = StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}")
                 self._outbox.append((job.sink, error))

@@ -17,7 +17,9 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
   dying shows as ``crashloop`` with its last error in ``tandem status``; one that exits with
   code 2 (a configuration error) or never comes up shows as ``failed`` and is not retried;
 - the router itself runs in a ``ProcessHost`` on the node ``tandem serve`` ran on, and is
-  restarted (with every running worker re-registered) if it dies.
+  restarted (with every running worker re-registered) if it dies;
+- the router's and every serving replica's /metrics address go to a Prometheus file_sd target
+  list (``ServeSpec.prometheus_sd_file``, deploy/prometheus_sd.py), rewritten as they change.
 
 The deployment's cluster secret (``ServeSpec.cluster_secret``, made by ``tandem serve``) reaches
 the router and every worker rank in its environment (``TANDEM_CLUSTER_SECRET``), never on a
@@ -47,6 +49,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy.launch import ROUTER_READY_PREFIX, ServiceProcess
+from deploy.prometheus_sd import TargetFile, target_groups
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
 from protos.auth import SECRET_ENV, SecretStub
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc
@@ -82,6 +85,7 @@ class ServeSpec:
     cluster_secret: str = field(default="", repr=False)   # never printed; see protos/auth.py
     internal_host: str = ""                  # workers bind this (one node: 127.0.0.1); "" = the node's IP
     prefill_nice: int = 0                    # prefill ranks' niceness on top of the other processes'
+    prometheus_sd_file: str = ""             # Prometheus file_sd target list kept current; "" = none
 
     def secret_env(self) -> dict[str, str]:
         return {SECRET_ENV: self.cluster_secret} if self.cluster_secret else {}
@@ -147,6 +151,7 @@ class Replica:
     hosts: list = field(default_factory=list)
     pg: Any = None
     address: str = ""
+    metrics: str = ""             # rank 0's /metrics host:port
     pids: list[int] = field(default_factory=list)
     node: str = ""
     restarts: int = 0
@@ -229,6 +234,7 @@ class Controller:
         self._loop: threading.Thread | None = None
         self._ids = {role: itertools.count(0) for role in ROLES}
         self._next_sync = 0.0
+        self._targets = TargetFile(spec.prometheus_sd_file) if spec.prometheus_sd_file else None
 
     # -- API for the CLI -----------------------------------------------------------------------
 
@@ -290,6 +296,8 @@ class Controller:
             self._router_host = None
         if self._channel is not None:
             self._channel.close()
+        if self._targets is not None:
+            self._targets.publish([])             # Prometheus stops scraping what is gone
         logger.info("deployment stopped")
 
     # -- router ------------------------------------------------------------------------------
@@ -374,6 +382,7 @@ class Controller:
                     self._sync_router()
                 self._check_replicas()
                 self._reconcile()
+                self._publish_targets()
             except Exception:  # noqa: BLE001 - the loop must outlive one bad tick
                 logger.exception("reconcile tick failed")
 
@@ -478,6 +487,13 @@ class Controller:
             with self._lock:
                 self._drop(r)
 
+    def _publish_targets(self) -> None:
+        """Keep the Prometheus target file (deploy/prometheus_sd.py) in step with who serves."""
+        if self._targets is not None:
+            with self._lock:
+                groups = target_groups(self.router, self.replicas)
+            self._targets.publish(groups)
+
     # -- one replica -------------------------------------------------------------------------
 
     def _bundle(self) -> dict[str, float]:
@@ -546,6 +562,7 @@ class Controller:
             for i, info in zip(pending, ray.get([r.hosts[i].poll_ready.remote(0.5) for i in pending])):
                 infos[i] = info
         r.address = infos[0]["grpc"]
+        r.metrics = infos[0].get("metrics") or ""
         r.pids = [info["pid"] for info in infos]
         self._register(r)
         # Traffic comes only after the router's heartbeat found it healthy.

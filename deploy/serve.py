@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from deploy.prometheus_sd import DEFAULT_SD_FILE
 from engine.cli_args import add_config_args, config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.serving.config import WorkerConfig
@@ -84,6 +85,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "with decode workers, a decode step (on the critical path of every running stream) "
                         "goes first and prefill takes the rest")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
+    p.add_argument("--prometheus-sd-file", default=DEFAULT_SD_FILE, metavar="PATH",
+                   help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
+                        f"keeps current on this node, for deploy/prometheus/prometheus.yml (default "
+                        f"{DEFAULT_SD_FILE}; '' for none)")
     p.add_argument("--log-level", default="INFO")
     add_config_args(p, ModelConfig)
     add_config_args(p, CacheConfig)
@@ -309,7 +314,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
-                     internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice)
+                     internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice,
+                     prometheus_sd_file=os.path.abspath(args.prometheus_sd_file) if args.prometheus_sd_file else "")
     controller = Controller.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(

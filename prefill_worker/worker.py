@@ -74,6 +74,7 @@ class PrefillLoop(EngineLoop):
         self._layer_writes: list[list[Any]] = []   # this step's per-layer writes
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
         self._last_prompt_tokens = 0
+        self._last_prefix = (0, 0)                # allocator's (queried, hit) prefix tokens at the last update
         self._rate_mark = (time.monotonic(), 0)   # (time, prompt tokens) at the last log line
         metrics.kv_blocks_total.set(engine.allocator.num_blocks)
 
@@ -147,6 +148,7 @@ class PrefillLoop(EngineLoop):
             if job is None:
                 continue
             job.first = out
+            self.metrics.ttft.observe(time.monotonic() - job.arrival_s)
             if job.destination is not None:
                 self._ship(job)
         self._reap()
@@ -219,6 +221,7 @@ class PrefillLoop(EngineLoop):
                 continue
             job = self.jobs.pop(request_id)
             if not none_failed:
+                self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer failed request_id=%s: %s", request_id,
                                self.rank.error(request_id) or "failed on another TP rank")
             else:
@@ -248,6 +251,11 @@ class PrefillLoop(EngineLoop):
             self.metrics.prompt_tokens.inc(new_tokens)
             self._interval["new_token"] += new_tokens
             self._last_prompt_tokens = self.engine.num_prompt_tokens_total
+        alloc = self.engine.allocator
+        # The allocator keeps running totals; the counters take the difference since last time.
+        self.metrics.prefix_queries.inc(alloc.num_prefix_queries_tokens - self._last_prefix[0])
+        self.metrics.prefix_hits.inc(alloc.num_prefix_hit_tokens - self._last_prefix[1])
+        self._last_prefix = (alloc.num_prefix_queries_tokens, alloc.num_prefix_hit_tokens)
 
     def stats(self) -> dict[str, float]:
         alloc = self.engine.allocator

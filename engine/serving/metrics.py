@@ -1,4 +1,8 @@
-"""Prometheus metrics of one worker (vLLM-style names, ``tandem_`` prefix), own registry."""
+"""Prometheus metrics of one worker (vLLM-style names, ``tandem_`` prefix), own registry.
+
+Runs in a prefill or decode worker process; every series carries ``role``. The dashboard
+(deploy/grafana/tandem.json) reads these by name, so renaming one breaks a panel.
+"""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -27,11 +31,14 @@ class WorkerMetrics:
         self.prefix_hits = counter("tandem_prefix_cache_hits", "prompt tokens found in the prefix cache")
         self.retractions = counter("tandem_num_retractions", "decode requests retracted for lack of blocks")
         self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes", "KV bytes shipped or received")
+        self.kv_transfer_failures = counter("tandem_kv_transfer_failures",
+                                            "KV transfers that failed (lease expired, peer gone, rejected)")
         self.kv_transfer_seconds = Histogram(
             "tandem_kv_transfer_seconds", "from destination known to transfer done", ["role"],
             registry=self.registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         ).labels(**labels)
-        self.ttft = Histogram("tandem_time_to_first_token_seconds", "request arrival to first token", ["role"],
+        self.ttft = Histogram("tandem_time_to_first_token_seconds",
+                              "request arrival to first token (prefill: sampled; decode: streamed)", ["role"],
                               registry=self.registry,
                               buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)).labels(**labels)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "time between streamed tokens", ["role"],
