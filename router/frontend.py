@@ -154,7 +154,7 @@ class Frontend:
         """One chunk per batch of decode messages: every token that arrived while the previous
         chunk was being written goes out in the next one (router.coalesce)."""
         text = TextStream(self.tokenizer, request.stop)
-        start_s = last_s = time.perf_counter()
+        start_s = last_s = first_s = time.perf_counter()
         num_output_tokens = 0
         batches = Coalescer(self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params))
         self.metrics.running.inc()
@@ -169,6 +169,7 @@ class Frontend:
                 now_s = time.perf_counter()
                 if token_ids:
                     (self.metrics.ttft if num_output_tokens == 0 else self.metrics.itl).observe(now_s - last_s)
+                    first_s = now_s if num_output_tokens == 0 else first_s
                     last_s = now_s
                     num_output_tokens += len(token_ids)
                 delta = text.add(token_ids)
@@ -180,6 +181,8 @@ class Frontend:
                     delta += text.finish()
                 usage = Usage(len(request.prompt_token_ids), num_output_tokens, last.num_cached_tokens)
                 self._count_finish(finish, usage, now_s - start_s)
+                if num_output_tokens > 1:
+                    self.metrics.tpot.observe((now_s - first_s) / (num_output_tokens - 1))
                 yield TextChunk(delta, token_ids, logprobs, finish, usage)
                 return
         except errors.RouterError as exc:
