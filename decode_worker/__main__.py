@@ -15,6 +15,7 @@ from decode_worker.servicer import DecodeServicer, PrefillClients
 from decode_worker.worker import DecodeLoop
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
+from engine.serving.fingerprint import worker_fingerprint
 from engine.serving.metrics import WorkerMetrics
 from engine.serving.process import WorkerParts, run
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -45,7 +46,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
         raise
     metrics = WorkerMetrics("decode")
     prefill = PrefillClients(worker.cluster_secret)
-    servicer = DecodeServicer(prefill)
+    servicer = DecodeServicer(prefill, fingerprint=str(worker_fingerprint(engine.runner)))
     loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination, descriptor)
     servicer.attach(loop)
 

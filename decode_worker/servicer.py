@@ -1,7 +1,11 @@
 """gRPC servicer of the decode worker: the Generate stream, Abort and Stats (asyncio thread).
 
 Also the decode side's client of the prefill workers: it tells a prefill worker where to
-write (SetDestination) and aborts there when a stream is cancelled.
+write (SetDestination) and aborts there when a stream is cancelled. SetDestination is the model
+handshake both ways (engine/serving/fingerprint.py): it carries this worker's fingerprint, the
+prefill worker refuses a different one (FAILED_PRECONDITION), and a prefill worker whose answer
+carries a different (or no) fingerprint is refused here; either way the request fails with both
+fingerprints in its error.
 
 Stream events cross from the engine thread once per step: the engine loop hands its whole batch
 to ``_deliver`` (one ``call_soon_threadsafe``), ``_fan_out`` puts each event on its stream, and
@@ -17,6 +21,7 @@ import grpc
 
 from decode_worker.worker import DecodeJob, DecodeLoop, EventBatch, StreamEvent
 from engine.serving.convert import check_request, logprobs_to_proto, sampling_from_proto
+from engine.serving.fingerprint import check_peer
 from protos.auth import SecretStub
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -75,8 +80,11 @@ def _fan_out(batch: EventBatch) -> None:
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, prefill: PrefillClients, rpc_timeout_s: float = 30.0) -> None:
+    def __init__(self, prefill: PrefillClients, rpc_timeout_s: float = 30.0, fingerprint: str = "") -> None:
+        """``fingerprint``: this worker's (engine.serving.fingerprint); every prefill worker refuses
+        an empty one, so only in-process tests that never send SetDestination leave it out."""
         self.prefill = prefill
+        self.fingerprint = fingerprint
         self.rpc_timeout_s = rpc_timeout_s
         self.aio_loop: asyncio.AbstractEventLoop | None = None  # set by the first Generate
 
@@ -100,9 +108,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def _send_destination(self, job: DecodeJob, descriptor: bytes) -> None:
         request = worker_pb2.SetDestinationRequest(request_id=job.request_id, block_ids=job.transfer_block_ids,
-                                                   region_descriptor=descriptor)
+                                                   region_descriptor=descriptor, fingerprint=self.fingerprint)
         try:
-            await self.prefill.stub(job.prefill_address).SetDestination(request, timeout=self.rpc_timeout_s)
+            response = await self.prefill.stub(job.prefill_address).SetDestination(request, timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # The prefill worker may be gone: keep the reservation, so the router can move the
@@ -112,6 +120,12 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 return
             reason = f"prefill worker {job.prefill_address} refused the destination: {exc.code().name}: {exc.details()}"
             self.loop.call(lambda: self.loop.fail(job.request_id, reason))
+            return
+        refused = check_peer(self.fingerprint, response.fingerprint, "decode", "prefill")
+        if refused:
+            reason = f"refused prefill worker {job.prefill_address}: {refused}"
+            self.loop.call(lambda: self.loop.fail(job.request_id, reason))
+            await self._abort_prefill(job.prefill_address, job.request_id)
 
     async def _abort_prefill(self, address: str, request_id: str) -> None:
         try:
@@ -188,4 +202,4 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             snapshot = self.loop.snapshot()   # never waits on the engine thread (liveness != load)
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return worker_pb2.StatsResponse(**snapshot)
+        return worker_pb2.StatsResponse(**snapshot, fingerprint=self.fingerprint)

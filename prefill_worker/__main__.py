@@ -11,6 +11,7 @@ from functools import partial
 
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
+from engine.serving.fingerprint import worker_fingerprint
 from engine.serving.metrics import WorkerMetrics
 from engine.serving.process import WorkerParts, run
 from prefill_worker.ranks import PrefillRank
@@ -24,7 +25,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
                        parallel_config=parallel_config)
     metrics = WorkerMetrics("prefill")
     loop = PrefillLoop(engine, worker, metrics)
-    servicer = PrefillServicer(loop)
+    servicer = PrefillServicer(loop, str(worker_fingerprint(engine.runner)))
 
     def close() -> None:
         loop.close()

@@ -1,9 +1,15 @@
-"""gRPC servicer of the prefill worker: converts protos, validates, calls the engine thread."""
+"""gRPC servicer of the prefill worker: converts protos, validates, calls the engine thread.
+
+``SetDestination`` is also the model handshake: the decode worker sends its fingerprint
+(engine/serving/fingerprint.py) and gets this worker's back; a destination of another model or
+KV layout is refused with FAILED_PRECONDITION naming both, and the request is dropped here.
+"""
 from __future__ import annotations
 
 import grpc
 
 from engine.serving.convert import check_request, sampling_from_proto
+from engine.serving.fingerprint import check_peer
 from prefill_worker.worker import Destination, PrefillJob, PrefillLoop
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -11,8 +17,9 @@ MAX_DESCRIPTOR_BYTES = 1 << 16
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, loop: PrefillLoop) -> None:
+    def __init__(self, loop: PrefillLoop, fingerprint: str) -> None:
         self.loop = loop
+        self.fingerprint = fingerprint
         self.vocab_size = loop.engine.runner.arch.vocab_size
         self.max_model_len = loop.engine.max_model_len
 
@@ -42,12 +49,17 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                 f"more than {MAX_DESCRIPTOR_BYTES}")
         if any(b < 0 for b in request.block_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "block_ids must be >= 0")
+        refused = check_peer(self.fingerprint, request.fingerprint, "prefill", "decode")
+        if refused:
+            # Its KV could never be read by that decode worker: stop computing it.
+            await self.loop.run(lambda: self.loop.abort(request.request_id))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refused)
         destination = Destination(list(request.block_ids), bytes(request.region_descriptor))
         try:
             await self.loop.run(lambda: self.loop.set_destination(request.request_id, destination))
         except ValueError as exc:  # includes kvtransfer.LayoutMismatchError
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return worker_pb2.SetDestinationResponse()
+        return worker_pb2.SetDestinationResponse(fingerprint=self.fingerprint)
 
     async def Abort(self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext):
         found = await self.loop.run(lambda: self.loop.abort(request.request_id))
@@ -60,4 +72,4 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             snapshot = self.loop.snapshot()   # never waits on the engine thread (liveness != load)
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        return worker_pb2.StatsResponse(**snapshot)
+        return worker_pb2.StatsResponse(**snapshot, fingerprint=self.fingerprint)

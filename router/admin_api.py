@@ -5,6 +5,10 @@ take requests, so they are not on the public tandem.v1.Tandem service that tenan
 service shares the router's gRPC port but every call needs the deployment's cluster secret
 (``protos.auth.SecretInterceptor``, installed by router/server.py); a tenant's API key is not
 enough.
+
+RegisterWorker asks the new worker for its Stats once: a worker that answers with another model
+(see router/registry.py) is not registered and the caller gets FAILED_PRECONDITION saying why;
+one that does not answer yet is registered and joins once it does.
 """
 from __future__ import annotations
 
@@ -25,6 +29,10 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             self.registry.add(request.role, request.address)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        refused = await self.registry.check_new(request.address)
+        if refused:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"{request.role} worker {request.address} is not registered: {refused}")
         return admin_pb2.RegisterWorkerResponse()
 
     async def DeregisterWorker(self, request: admin_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext):

@@ -12,9 +12,18 @@ requests over. A joining worker is never removed, so the router may start before
 worker while its in-flight ones finish; the controller removes it once ``num_inflight`` is 0.
 
 Every call to a worker carries the deployment's cluster secret (protos/auth.py). A worker that
-refuses it, or whose Stats answer shows another model than the router's (a worker that reports a
-``fingerprint`` is compared by its ``model``), is not routable: it stays joining (or stops
-being healthy) and the log says why, once.
+refuses it, or whose Stats answer shows another model than the router's, is not routable: it
+stays joining (or stops being healthy) and the log says why, once; ``check_new`` (the admin
+service's RegisterWorker) removes it and says why to the caller.
+
+"Another model" is decided on the model identity part of the worker's fingerprint
+(engine/serving/fingerprint.py: protocol version, architecture, hyper-parameters digest,
+weights digest) -- the only part the router can know. It computes its own from its ``--model``
+files when that is a built-in name or a local path; for a Hugging Face id (whose revision it
+does not know, and which it must not download) the first worker to answer sets the identity the
+others must match. Dtype, KV layout and TP size are the workers' business: a prefill and a
+decode worker compare whole fingerprints at their SetDestination handshake. A worker that
+reports no fingerprint (the in-process fakes of tests/router/fake_workers.py) is not checked.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from engine.serving.fingerprint import Fingerprint, ModelIdentity, local_model_identity
 from protos.auth import SecretStub
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -74,6 +84,9 @@ class WorkerRegistry:
         ``model``: the router's model -- a worker that serves another one is refused."""
         self._secret = secret
         self.model = model
+        self._identity: ModelIdentity | None = None   # what every worker's fingerprint must show
+        self._identity_from = ""                       # where it came from, for the log and errors
+        self._identity_lock = asyncio.Lock()
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_missed = max_missed
@@ -185,7 +198,9 @@ class WorkerRegistry:
         if worker.removed:
             return None
         worker.missed, worker.late = 0, 0
-        mismatch = self._model_mismatch(stats)
+        mismatch = await self._model_mismatch(worker, stats)
+        if worker.removed:
+            return None
         if mismatch:
             self._refuse(worker, mismatch)
             return None
@@ -197,11 +212,37 @@ class WorkerRegistry:
             self._changed.set()
         return None
 
-    def _model_mismatch(self, stats: worker_pb2.StatsResponse) -> str:
-        # Real workers report a fingerprint; in-process fakes (tests/router/fake_workers.py) do not.
-        if not self.model or not stats.fingerprint or same_model(stats.model, self.model):
+    async def _model_mismatch(self, worker: WorkerState, stats: worker_pb2.StatsResponse) -> str:
+        """Why ``worker`` serves another model than this router ("" if it does not); see the
+        module docstring for what is compared."""
+        if not stats.fingerprint:   # in-process fakes (tests/router/fake_workers.py) report none
             return ""
-        return f"it serves model {stats.model!r} ({stats.fingerprint}) but this router serves {self.model!r}"
+        try:
+            theirs = Fingerprint.parse(stats.fingerprint).model
+        except ValueError as exc:
+            return f"its model fingerprint is unreadable: {exc}"
+        async with self._identity_lock:
+            if self._identity is None and not self._identity_from:
+                self._identity = await asyncio.to_thread(self._own_identity)
+            if self._identity is None:
+                self._identity = theirs
+                self._identity_from = f"{worker.role} worker {worker.address}, the first to answer"
+                logger.info("workers must serve %s (set by %s)", theirs, self._identity_from)
+        if theirs == self._identity:
+            return ""
+        return (f"it serves another model: its fingerprint is {stats.fingerprint} (--model {stats.model!r}) "
+                f"but this router's model is {self._identity} ({self._identity_from})")
+
+    def _own_identity(self) -> ModelIdentity | None:
+        """The identity of the router's own ``--model`` files, or None when it cannot read them."""
+        try:
+            identity = local_model_identity(self.model) if self.model else None
+        except (OSError, ValueError) as exc:
+            logger.warning("cannot read the model %r to check workers against (%s); the first worker "
+                           "to answer sets the model", self.model, exc)
+            identity = None
+        self._identity_from = f"from --model {self.model!r}" if identity is not None else ""
+        return identity
 
     def _refuse(self, worker: WorkerState, reason: str) -> None:
         """Keep ``worker`` out of routing (a healthy one stops taking requests); log it once."""
@@ -209,6 +250,19 @@ class WorkerRegistry:
             logger.error("%s worker %s is not routable: %s", worker.role, worker.address, reason)
         worker.refused, worker.healthy = reason, False
         self._changed.set()
+
+    async def check_new(self, address: str) -> str:
+        """Ask a worker just added for its Stats once. If it answers and is refused (another model,
+        or it refused the cluster secret) it is removed and the reason returned; "" when it is
+        fine or does not answer yet (then it stays joining)."""
+        worker = self._workers.get(address)
+        if worker is None:
+            return ""
+        await self._stats(worker)
+        reason = worker.refused
+        if reason and not worker.removed:
+            await self.remove(address, f"registration refused: {reason}")
+        return reason
 
     async def probe(self, address: str) -> bool:
         """Check a worker a request found broken; remove it at once if it is gone (a slow
@@ -255,8 +309,3 @@ class WorkerRegistry:
             await worker.channel.close()
         self._workers.clear()
 
-
-def same_model(a: str, b: str) -> bool:
-    """Two ``--model`` values name the same model: equal, or the same file or directory name
-    (the router and a worker on another host may see one checkpoint under different paths)."""
-    return a == b or a.rstrip("/").rsplit("/", 1)[-1] == b.rstrip("/").rsplit("/", 1)[-1]

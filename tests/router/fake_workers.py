@@ -39,6 +39,7 @@ def fake_completion(prompt_token_ids: Sequence[int], num_tokens: int) -> list[in
 class FakeState:
     model: str = "fake-model"
     max_model_len: int = 256
+    fingerprint: str = ""             # none: the router does not check the model (engine/serving/fingerprint.py)
     kv_blocks_total: int = 1000
     active: set[str] = field(default_factory=set)
     seen: list[str] = field(default_factory=list)        # request ids, in arrival order
@@ -47,7 +48,7 @@ class FakeState:
     def stats(self, role: str) -> worker_pb2.StatsResponse:
         return worker_pb2.StatsResponse(role=role, num_running=len(self.active), kv_blocks_used=len(self.active),
                                         kv_blocks_total=self.kv_blocks_total, model=self.model,
-                                        max_model_len=self.max_model_len)
+                                        max_model_len=self.max_model_len, fingerprint=self.fingerprint)
 
 
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
@@ -186,7 +187,8 @@ class FakeWorker:
 
     def __init__(self, role: str, **options) -> None:
         self.role = role
-        self.state = FakeState(**{k: options.pop(k) for k in ("model", "max_model_len") if k in options})
+        self.state = FakeState(**{k: options.pop(k) for k in ("model", "max_model_len", "fingerprint")
+                                  if k in options})
         self.servicer = FakePrefill(self.state) if role == "prefill" else FakeDecode(self.state, **options)
         self.server: grpc.aio.Server | None = None
         self.address = ""

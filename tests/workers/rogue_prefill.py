@@ -36,7 +36,9 @@ class _Servicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.owner.destinations[request.request_id] = Destination(list(request.block_ids),
                                                                       bytes(request.region_descriptor))
             self.owner.cond.notify_all()
-        return worker_pb2.SetDestinationResponse()
+        # Plays the decode worker's model unless the test gave it another fingerprint to answer.
+        answer = request.fingerprint if self.owner.fingerprint is None else self.owner.fingerprint
+        return worker_pb2.SetDestinationResponse(fingerprint=answer)
 
     def Abort(self, request, context):
         self.owner.aborted.append(request.request_id)
@@ -48,6 +50,7 @@ class RoguePrefill:
         self.cond = threading.Condition()
         self.destinations: dict[str, Destination] = {}
         self.aborted: list[str] = []
+        self.fingerprint: str | None = None   # what SetDestination answers; None: the caller's own
         self._senders: list[kvtransfer.Sender] = []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(_Servicer(self), self.server)
