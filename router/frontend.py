@@ -140,7 +140,9 @@ class Frontend:
     def admit(self, num_sub_requests: int = 1) -> None:
         """Raise before streaming starts if the request cannot be taken now (429 / 503). Its
         sub-requests (prompts x n) all count against max_waiting; on an empty queue any request
-        that passed check_fan_out is taken, so a small max_waiting never starves it."""
+        that passed check_fan_out is taken, so a small max_waiting never starves it. The queue is
+        the dispatcher's: a request admitted a moment ago whose streams have not started yet is
+        not in it, so a burst can overshoot by about one request's sub-requests."""
         for role in ("prefill", "decode"):
             if not self.registry.healthy(role):
                 raise errors.unavailable(f"no {role} worker is available")

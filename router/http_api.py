@@ -142,8 +142,12 @@ def _hostname(host: str) -> str:
 
 async def _client_gone(request: Request) -> None:
     """Returns once the client disconnects (call after the body was read)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a connection that cannot be watched is never reported gone
+        logger.debug("cannot watch %s for a disconnect", request.url.path, exc_info=True)
+        await asyncio.get_running_loop().create_future()
 
 
 class HttpApi:
