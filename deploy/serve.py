@@ -29,6 +29,7 @@ from typing import Any
 from deploy.prometheus_sd import DEFAULT_SD_FILE
 from engine.cli_args import add_config_args, config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from engine.hf_hub import is_hub_id
 from engine.serving.config import WorkerConfig
 from protos.auth import load_secret, new_secret
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
@@ -140,11 +141,13 @@ def _tp_sizes(args: argparse.Namespace) -> dict[str, int]:
     return tp
 
 
-def check_model(args: argparse.Namespace, tp: dict[str, int]) -> Any:
-    """The model's architecture; fails when a TP size does not divide its heads."""
+def check_model(args: argparse.Namespace, tp: dict[str, int]) -> tuple[Any, Path]:
+    """The model's architecture and local path (a hub id is resolved, or downloaded, here once
+    for this node, before any worker starts); fails when a TP size does not divide its heads."""
     from engine.model_source import load_arch, resolve_model
 
-    arch = load_arch(resolve_model(args.model))
+    source = resolve_model(args.model, args.revision, args.download_dir)
+    arch = load_arch(source)
     for role, size in tp.items():
         if arch.num_kv_heads % size or arch.num_heads % size:
             fits = [n for n in range(1, arch.num_kv_heads + 1)
@@ -152,7 +155,7 @@ def check_model(args: argparse.Namespace, tp: dict[str, int]) -> Any:
             raise ServeError(f"{role} TP size {size} does not divide the model's {arch.num_kv_heads} KV heads and "
                              f"{arch.num_heads} attention heads: use --tensor-parallel-size "
                              f"{' or '.join(map(str, fits))}")
-    return arch
+    return arch, source.path
 
 
 def check_ports(host: str, ports: dict[str, int]) -> None:
@@ -271,7 +274,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     tp = _tp_sizes(args)
     if args.prefill < 1 or args.decode < 1:
         raise ServeError(f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}")
-    arch = check_model(args, tp)
+    arch, model_path = check_model(args, tp)
     check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
     knobs = worker_flags(args)             # builds, and so checks, every engine config before Ray starts
 
@@ -284,12 +287,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _serve(args, tp, arch, knobs, owns_cluster)
+        return _serve(args, tp, arch, model_path, knobs, owns_cluster)
     finally:
         ray.shutdown()
 
 
-def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[str], owns_cluster: bool) -> int:
+def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: Path, knobs: list[str],
+           owns_cluster: bool) -> int:
     import ray
 
     from deploy.controller import CONTROLLER_NAME, NAMESPACE, Controller, ServeSpec, remote_error
@@ -307,7 +311,11 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, knobs: list[
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
-    if args.served_model_name:
+    if is_hub_id(args.model) and not Path(args.model).exists():
+        # The router runs on this node: it reads the snapshot check_model resolved (the last
+        # --model wins) and answers to the id.
+        router_flags += ["--model", str(model_path), "--served-model-name", args.served_model_name or args.model]
+    elif args.served_model_name:
         router_flags += ["--served-model-name", args.served_model_name]
     spec = ServeSpec(model=args.model, replicas={"prefill": args.prefill, "decode": args.decode}, tp=tp,
                      worker_flags=knobs, router_flags=router_flags,

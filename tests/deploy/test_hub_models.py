@@ -199,3 +199,19 @@ def test_unreachable_hub_names_the_id(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "model 'tiny-org/tiny-llama' (revision 'main') is not in the Hugging Face cache" in proc.stderr
     assert "could not be downloaded" in proc.stderr
+
+
+def test_serve_resolves_an_id_once_at_its_revision_before_starting_workers(hub_cache, monkeypatch):
+    """`tandem serve --model org/name --revision v2` checks that snapshot (not main's) and hands
+    its local path on for the router, which runs on the same node."""
+    from deploy import serve
+    from deploy.cli import build_parser
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(["serve", "--model", REPO, "--revision", "v2", "--download-dir", str(hub_cache)])
+    arch, path = serve.check_model(args, {"prefill": 1, "decode": 1})
+    assert path.name == V2 and path.parent.name == "snapshots"
+    assert arch.tie_word_embeddings
+    args = build_parser().parse_args(["serve", "--model", "tiny-org/absent", "--download-dir", str(hub_cache)])
+    with pytest.raises(FileNotFoundError, match="tiny-org/absent"):
+        serve.check_model(args, {"prefill": 1, "decode": 1})

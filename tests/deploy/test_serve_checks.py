@@ -54,7 +54,7 @@ def test_a_taken_port_is_refused_with_the_flag_to_change():
 
 def test_a_kv_pool_smaller_than_one_sequence_is_refused_with_numbers():
     args = parse("--kv-cache-memory", str(1 << 20))       # 1 MiB: 46 tokens of SmolLM2 in float32
-    arch = serve.check_model(args, {"prefill": 1, "decode": 1})
+    arch, _ = serve.check_model(args, {"prefill": 1, "decode": 1})
     with pytest.raises(ValueError, match=r"the KV pool holds \d+ tokens .* less than one max_model_len=8192 sequence: "
                                          r"lower --max-model-len or raise --kv-cache-memory to at least"):
         serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
@@ -62,7 +62,7 @@ def test_a_kv_pool_smaller_than_one_sequence_is_refused_with_numbers():
 
 def test_weights_that_do_not_fit_this_machine_are_refused(monkeypatch):
     args = parse("--dtype", "float32")
-    arch = serve.check_model(args, {"prefill": 1, "decode": 1})
+    arch, _ = serve.check_model(args, {"prefill": 1, "decode": 1})
     monkeypatch.setattr(serve, "_mem_available", lambda: 1 << 30)
     with pytest.raises(ValueError, match=r"2 worker processes need 3\.\d GiB \(0\.50 GiB weights \+ 1\.00 GiB KV pool "
                                          r"each\) but this machine has 1\.0 GiB available: use fewer replicas"):
