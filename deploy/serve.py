@@ -85,6 +85,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="niceness of prefill workers on CPU-only clusters (default 5): where they share cores "
                         "with decode workers, a decode step (on the critical path of every running stream) "
                         "goes first and prefill takes the rest")
+    p.add_argument("--prefill-threads", type=int, default=0, metavar="N",
+                   help="torch threads per prefill rank on CPU-only clusters (default 0: the node's cores / "
+                        "worker ranks on it); more than that oversubscribes the cores, with OpenMP waiting "
+                        "passively so a preempted thread costs its peers no spinning")
+    p.add_argument("--decode-threads", type=int, default=0, metavar="N",
+                   help="torch threads per decode rank on CPU-only clusters (default 0: as --prefill-threads)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
     p.add_argument("--prometheus-sd-file", default=DEFAULT_SD_FILE, metavar="PATH",
                    help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
@@ -323,6 +329,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
                      internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice,
+                     threads={"prefill": args.prefill_threads, "decode": args.decode_threads},
                      prometheus_sd_file=os.path.abspath(args.prometheus_sd_file) if args.prometheus_sd_file else "")
     controller = Controller.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,

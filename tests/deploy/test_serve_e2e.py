@@ -188,6 +188,17 @@ def test_the_official_openai_client_gets_paris(deployment):
     assert reply.choices[0].message.content == "The capital of France is Paris."
 
 
+def test_router_and_decode_run_at_niceness_0_and_prefill_below_them(deployment):
+    """Ray starts actors at niceness 15; what tandem serve starts must not inherit it (a client or
+    shell on the node would take the cores first), and prefill yields to decode (--prefill-nice 5)."""
+    def nice(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+    status = deployment.status()
+    assert nice(status["router"]["pid"]) == 0
+    assert {w["role"]: [nice(p) for p in w["pids"]] for w in status["workers"]} == {"prefill": [5], "decode": [0]}
+
+
 def test_status_lists_the_router_and_every_worker(deployment):
     status = deployment.status()
     assert status["router"]["http"] == deployment.http.removeprefix("http://")
