@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -274,6 +275,9 @@ class Tokenizer:
         self._bos_token = self.id_to_token(bos_token_id) if bos_token_id is not None else None
         self._eos_token = self.id_to_token(eos_token_id) if eos_token_id is not None else None
         self._template = _compile_chat_template(chat_template, source) if chat_template else None
+        # Whether the template renders a ``tools`` list; the router describes tools itself otherwise.
+        self.template_takes_tools: bool = bool(chat_template) and "tools" in jinja2.meta.find_undeclared_variables(
+            ImmutableSandboxedEnvironment().parse(chat_template))
         logger.debug("tokenizer from %s: %d tokens, bos=%s, eos=%s, chat template: %s", source,
                      self.vocab_size, bos_token_id, sorted(self.eos_token_ids), chat_template is not None)
 
@@ -375,16 +379,21 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Renders ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's template."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """Renders ``messages`` ([{"role": ..., "content": ...}, ...]) with the model's template.
+        ``tools`` (OpenAI's [{"type": "function", "function": {...}}]) reaches the template as
+        transformers passes it: a ``tools`` variable, None when there are none."""
         if self._template is None:
             raise ValueError(f"{self._source} has no chat template; send a plain prompt instead")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._bos_token or "", eos_token=self._eos_token or "")
+                                     tools=tools or None, bos_token=self._bos_token or "",
+                                     eos_token=self._eos_token or "")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat; BOS is not doubled when the template writes it."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         template_has_bos = bool(self._bos_token) and text.startswith(self._bos_token)
         return self.encode(text, add_special_tokens=not template_has_bos)
 

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, RouterConfig
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, TOOL_CALL_PARSERS, RouterConfig
 from router.server import Router
 
 
@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--failover-wait-s", type=float, default=d.failover_wait_s,
                    help="how long a failing-over request waits for a healthy worker of each role")
+    p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=("",) + TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls: hermes (<tool_call> tags: Qwen, Hermes, SmolLM2) or "
+                        "llama3_json (Llama 3.x)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -61,7 +66,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
                         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
                         max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,
-                        failover_wait_s=args.failover_wait_s)
+                        failover_wait_s=args.failover_wait_s, tool_call_parser=args.tool_call_parser,
+                        enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 
 async def serve(config: RouterConfig) -> int:

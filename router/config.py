@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 PREFILL_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
 DECODE_POLICIES = ("least_load", "power_of_two", "round_robin")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")   # router/tool_calls.py
 READY_PREFIX = "TANDEM_ROUTER_READY "      # `python -m router` prints it + {"http", "grpc"} once listening
 
 
@@ -33,6 +34,8 @@ class RouterConfig:
     rpc_timeout_s: float = 30.0            # unary worker RPCs (Submit, Abort)
     failover_wait_s: float = 60.0          # a failing-over request waits this long for a worker of each
     #                                        role to be healthy again (the controller restarting one)
+    tool_call_parser: str = ""             # how the model writes tool calls (TOOL_CALL_PARSERS); "" = none
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free output
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -54,6 +57,11 @@ class RouterConfig:
             raise ValueError(f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: use one of {TOOL_CALL_PARSERS}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser "
+                             f"{'|'.join(TOOL_CALL_PARSERS)})")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))

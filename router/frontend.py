@@ -10,6 +10,7 @@ aborts the request at both workers through the dispatcher.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -109,13 +110,17 @@ class Frontend:
         return self._prepare(token_ids, sampling, request_id, default_max_tokens)
 
     def prepare_chat(self, messages: list[dict], sampling: tandem_pb2.Sampling, request_id: str = "",
-                     default_max_tokens: int | None = None) -> PreparedRequest:
+                     default_max_tokens: int | None = None, tools: list[dict] | None = None) -> PreparedRequest:
+        """``tools`` go to the chat template (router/tool_choice.py decides which and how)."""
         if not messages:
             raise errors.invalid_request("messages is empty", "messages")
         request_id = self._request_id(request_id)
-        num_chars = 0
+        num_chars = len(json.dumps(tools)) if tools else 0
         for i, message in enumerate(messages):
             for key, value in message.items():
+                if key == "tool_calls":   # checked by the HTTP API's types (router/openai_types.py)
+                    num_chars += len(json.dumps(value))
+                    continue
                 if not isinstance(value, str):
                     raise errors.invalid_request(f"messages.{i}.{key} must be a string", f"messages.{i}.{key}")
                 if unencodable(value):
@@ -126,7 +131,7 @@ class Frontend:
             raise errors.invalid_request(f"the messages hold {num_chars} characters, more than max_prompt_chars="
                                          f"{self.max_prompt_chars}", "messages")
         try:
-            token_ids = self.tokenizer.encode_chat(messages)
+            token_ids = self.tokenizer.encode_chat(messages, tools=tools)
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
             raise errors.invalid_request(f"the chat template refused the messages: {exc}", "messages") from None
         return self._prepare(token_ids, sampling, request_id, default_max_tokens)

@@ -35,6 +35,8 @@ from router.cluster import cluster_view
 from router.config import RouterConfig
 from router.frontend import Frontend, PreparedRequest, TextChunk
 from router.openai_types import Body, ChatCompletionRequest, CompletionRequest, parse_body
+from router.tool_calls import ToolCall
+from router.tool_choice import AnswerReader, ToolRequest, prompt_inputs
 
 logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -157,6 +159,8 @@ class HttpApi:
         self.allowed_hosts = frozenset(config.allowed_hosts)
         self.max_body_bytes = config.max_request_body_bytes
         self.logprobs = LogprobFormatter(frontend.tokenizer)
+        self.tool_call_parser = config.tool_call_parser
+        self.enable_auto_tool_choice = config.enable_auto_tool_choice
 
     def check_host(self, request: Request) -> None:
         if not self.allowed_hosts:
@@ -277,38 +281,58 @@ class HttpApi:
 
     # -- chat -------------------------------------------------------------------------------
 
-    def _prepare_chat(self, body: ChatCompletionRequest, messages: list[dict], sampling) -> list[PreparedRequest]:
+    def _prepare_chat(self, body: ChatCompletionRequest, messages: list[dict], sampling,
+                      tools: ToolRequest | None) -> list[PreparedRequest]:
         base = body.request_id or uuid.uuid4().hex
-        first = self.frontend.prepare_chat(messages, sampling, f"{base}-0" if body.n > 1 else base)
+        messages, template_tools = prompt_inputs(messages, tools, self.frontend.tokenizer.template_takes_tools,
+                                                 self.tool_call_parser)
+        first = self.frontend.prepare_chat(messages, sampling, f"{base}-0" if body.n > 1 else base,
+                                           tools=template_tools)
         return self._fan_out(first, body.n, body.seed, base, "")
+
+    def _tool_request(self, body: ChatCompletionRequest) -> ToolRequest | None:
+        choice = body.tool_choice
+        return ToolRequest.from_openai([t.as_dict() for t in body.tools or ()],
+                                       choice.model_dump() if hasattr(choice, "model_dump") else choice,
+                                       body.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice,
+                                       can_force=False)
 
     async def chat(self, request: Request):
         body = await self.read(request, ChatCompletionRequest)
         self.frontend.check_model(body.model)
         self.frontend.check_fan_out(1, body.n)
         sampling = body.sampling(body.max_output_tokens, body.num_logprobs)
+        tools = self._tool_request(body)
         messages = [m.as_dict() for m in body.messages]
         num_chars = sum(len(m["content"]) for m in messages)
-        requests = await self._off_loop(num_chars, self._prepare_chat, body, messages, sampling)
+        requests = await self._off_loop(num_chars, self._prepare_chat, body, messages, sampling, tools)
         self.frontend.admit(len(requests))
         response_id = f"chatcmpl-{requests[0].request_id}"
         created = int(time.time())
         model = self.frontend.model_name
         streams = [self.frontend.stream(r) for r in requests]
-        stream_body = self._stream_chat(streams, response_id, created, model, body) if body.stream else None
+        stream_body = self._stream_chat(streams, response_id, created, model, body, tools) if body.stream else None
         chunks = await self._respond(request, streams, stream_body)
         if not isinstance(chunks, list):
             return chunks
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self.logprobs.chat(c) if body.logprobs else None,
-                    "finish_reason": c.finish_reason} for i, c in enumerate(chunks)]
+        choices = []
+        for i, c in enumerate(chunks):
+            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+            if tools is not None:
+                parsed, finish = AnswerReader(tools).read(c.text, c.finish_reason)
+                message["content"] = (parsed.content or None) if parsed.tool_calls else parsed.content
+                if parsed.tool_calls:
+                    message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            choices.append({"index": i, "message": message,
+                            "logprobs": self.logprobs.chat(c) if body.logprobs else None, "finish_reason": finish})
         return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
                 "choices": choices, "usage": _usage(chunks)}
 
     async def _stream_chat(self, streams, response_id: str, created: int, model: str,
-                           body: ChatCompletionRequest) -> AsyncIterator[str]:
+                           body: ChatCompletionRequest, tools: ToolRequest | None) -> AsyncIterator[str]:
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
         finals: list[TextChunk] = []
+        readers = [AnswerReader(tools) for _ in streams] if tools is not None else None
         try:
             for index in range(len(streams)):
                 yield _sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
@@ -316,16 +340,38 @@ class HttpApi:
             async for index, chunk in _merge(streams):
                 if chunk.finish_reason:
                     finals.append(chunk)
-                delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
+                text, calls, finish, first_call = chunk.text, [], chunk.finish_reason, 0
+                if readers is not None:
+                    first_call = readers[index].num_calls
+                    parsed, finish = readers[index].read(chunk.text, chunk.finish_reason)
+                    text, calls = parsed.content, parsed.tool_calls
+                delta = {"content": text} if text or not finish else {}
                 yield _sse({**head, "choices": [{"index": index, "delta": delta,
                                                  "logprobs": self.logprobs.chat(chunk) if body.logprobs else None,
-                                                 "finish_reason": chunk.finish_reason}]},
+                                                 "finish_reason": None if calls else finish}]},
                            body.logprobs and _has_non_finite(chunk))
+                for event in _tool_call_events(calls, first_call, index, finish):
+                    yield _sse({**head, "choices": [event]})
             if body.include_usage:
                 yield _sse({**head, "choices": [], "usage": _usage(finals)})
         except errors.RouterError as exc:
             yield _sse(exc.to_json())
         yield b"data: [DONE]\n\n"
+
+
+def _tool_call_events(calls: list[ToolCall], first_index: int, choice_index: int, finish: str | None) -> list[dict]:
+    """Stream choices announcing ``calls`` as OpenAI does: the call's id and name with empty
+    arguments, then the arguments; the last event carries the finish_reason."""
+    events = []
+    for i, call in enumerate(calls, first_index):
+        events.append({"index": choice_index, "delta": {"tool_calls": [
+            {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
+            "logprobs": None, "finish_reason": None})
+        events.append({"index": choice_index, "delta": {"tool_calls": [
+            {"index": i, "function": {"arguments": call.arguments}}]}, "logprobs": None, "finish_reason": None})
+    if events and finish is not None:
+        events.append({"index": choice_index, "delta": {}, "logprobs": None, "finish_reason": finish})
+    return events
 
 
 def _with_seed(sampling, seed: int | None, j: int):

@@ -105,12 +105,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = "{}"     # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None   # an assistant turn that called tools
+    tool_call_id: str | None = None                   # a role "tool" turn: the call it answers
 
     def as_dict(self) -> dict:
         content = self.content
@@ -119,7 +134,38 @@ class ChatMessage(BaseModel):
         message = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None   # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def as_dict(self) -> dict:
+        """The tool as chat templates and the JSON schemas get it (transformers passes it as is)."""
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -128,6 +174,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def max_output_tokens(self) -> int | None:

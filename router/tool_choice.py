@@ -1,0 +1,229 @@
+"""Tools on a chat request (router process): what ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` mean for the prompt, the sampling and the reading of the output.
+
+- ``auto``: the template gets the tools and the ``--tool-call-parser`` parser reads the output;
+  like vLLM, this needs ``--enable-auto-tool-choice`` (400 otherwise).
+- ``none``: neither: no tools in the template, the output is content.
+- ``required`` / a named function: the output is forced to JSON by the structured-output
+  machinery: the named function's arguments object, or a list of {"name", "parameters"}
+  objects (one only without ``parallel_tool_calls``), and ``ForcedParser`` reads it. The
+  template gets the tools too, so the model knows what it is calling.
+
+A chat template that does not render ``tools`` (SmolLM2-135M-Instruct's) gets them described in
+a system message instead, in the format the configured parser reads, and earlier turns' tool
+calls and results are written as text in that format (``describe_tools``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from router import errors
+from router.tool_calls import PARSERS, ForcedParser, Parsed, ToolCallParser
+
+CHOICES = ("auto", "none", "required")
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: tuple[dict, ...]        # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
+    choice: str                    # "auto", "required", "function" (a named one), or "asked": one of
+    #                                the last two read like "auto" while nothing can force it
+    function_name: str | None      # the named function
+    parallel: bool                 # more than one call per answer
+    parser_name: str               # --tool-call-parser ("" = none)
+
+    @classmethod
+    def from_openai(cls, tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
+                    parser_name: str, auto_enabled: bool, can_force: bool = True) -> ToolRequest | None:
+        """None when the request involves no tools; RouterError 400 for a choice that cannot hold.
+        Without ``can_force`` (no constrained decoding), ``required`` and named choices are read
+        with the configured parser like ``auto``: the model is asked, not made, to call."""
+        tools = list(tools or [])
+        names = [t["function"]["name"] for t in tools]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise errors.invalid_request(f"two tools are named {duplicate!r}", "tools")
+        if isinstance(tool_choice, dict):
+            name = tool_choice["function"]["name"]
+            if name not in names:
+                raise errors.invalid_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+            choice, function_name = "function", name
+        else:
+            choice, function_name = tool_choice or ("auto" if tools else "none"), None
+        if choice not in CHOICES and choice != "function":
+            raise errors.invalid_request(f"tool_choice must be one of {CHOICES} or a named function", "tool_choice")
+        if choice == "required" and not tools:
+            raise errors.invalid_request('tool_choice "required" needs tools', "tool_choice")
+        if not tools or choice == "none":
+            return None
+        if choice == "auto" and not (auto_enabled and parser_name):
+            raise errors.invalid_request('tool_choice "auto" needs the router started with --enable-auto-tool-choice '
+                                         "and --tool-call-parser", "tool_choice")
+        request = cls(tuple(tools), choice, function_name, parallel_tool_calls is not False, parser_name)
+        if request.forced and not can_force:
+            if not parser_name:
+                raise errors.invalid_request(f"tool_choice {choice!r} needs constrained decoding or --tool-call-parser",
+                                             "tool_choice")
+            request = dataclasses.replace(request, choice="asked")
+        return request
+
+    @property
+    def forced(self) -> bool:
+        return self.choice in ("required", "function")
+
+    def forced_schema(self) -> dict | None:
+        """The JSON schema the output must follow under ``required`` or a named choice."""
+        if self.choice == "function":
+            return _parameters(self._function(self.function_name))
+        if self.choice != "required":
+            return None
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
+                                                   "parameters": _parameters(t["function"])},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not self.parallel:
+            schema["maxItems"] = 1
+        return schema
+
+    def parser(self) -> ToolCallParser:
+        """A fresh parser for one choice of the answer."""
+        if self.forced:
+            return ForcedParser(self.function_name)
+        parser = PARSERS[self.parser_name]()
+        return parser if self.parallel else _FirstCallOnly(parser)
+
+    def _function(self, name: str) -> dict:
+        return next(t["function"] for t in self.tools if t["function"]["name"] == name)
+
+
+def _parameters(function: dict) -> dict:
+    return function.get("parameters") or {"type": "object", "properties": {}}
+
+
+class _FirstCallOnly(ToolCallParser):
+    """``parallel_tool_calls: false`` under ``auto``: calls after the first are dropped."""
+
+    def __init__(self, inner: ToolCallParser) -> None:
+        self._inner = inner
+        self._seen_call = False
+
+    def _keep_first(self, parsed: Parsed) -> Parsed:
+        if self._seen_call:
+            parsed.tool_calls = []
+        elif parsed.tool_calls:
+            parsed.tool_calls, self._seen_call = parsed.tool_calls[:1], True
+        return parsed
+
+    def feed(self, text: str) -> Parsed:
+        return self._keep_first(self._inner.feed(text))
+
+    def finish(self) -> Parsed:
+        return self._keep_first(self._inner.finish())
+
+
+# -- templates that do not render tools ------------------------------------------------------
+
+_HERMES_INSTRUCTIONS = (
+    "You may call one or more functions to answer the user. Each available function is described by a JSON "
+    "schema between <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with a JSON "
+    'object {{"name": <function name>, "arguments": <arguments object>}} between <tool_call></tool_call> tags, '
+    "one pair of tags per call. Function results come back between <tool_response></tool_response> tags.")
+_LLAMA3_INSTRUCTIONS = (
+    "You may call functions to answer the user. The available functions, one JSON schema per line:\n{tools}\n\n"
+    'To call a function, answer with only a JSON object {{"name": <function name>, "parameters": <arguments '
+    "object>}}; separate several calls with a semicolon. Function results come back between "
+    "<tool_response></tool_response> tags.")
+
+
+def _call_as_text(call: dict, parser_name: str) -> str:
+    function = call.get("function", call)
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    if parser_name == "llama3_json":
+        return json.dumps({"name": function.get("name"), "parameters": arguments}, ensure_ascii=False)
+    return "<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments},
+                                        ensure_ascii=False) + "\n</tool_call>"
+
+
+def describe_tools(messages: list[dict], tools: tuple[dict, ...] | None, parser_name: str) -> list[dict]:
+    """``messages`` for a template without tool support: the tools described in the (first) system
+    message, assistant tool calls written out as the parser reads them, tool results as user
+    messages between <tool_response> tags."""
+    out = []
+    for message in messages:
+        role = message["role"]
+        if role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+        elif role == "assistant" and message.get("tool_calls"):
+            separator = "; " if parser_name == "llama3_json" else "\n"
+            calls = separator.join(_call_as_text(c, parser_name) for c in message["tool_calls"])
+            content = message.get("content") or ""
+            out.append({"role": "assistant", "content": f"{content}\n\n{calls}" if content else calls})
+        else:
+            out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
+    if tools:
+        template = _LLAMA3_INSTRUCTIONS if parser_name == "llama3_json" else _HERMES_INSTRUCTIONS
+        text = template.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def prompt_inputs(messages: list[dict], request: ToolRequest | None, template_takes_tools: bool,
+                  parser_name: str) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) for the chat template: the tools go to a template that renders them,
+    else into a system message; a request without tools (or with ``none``) passes None."""
+    tools = request.tools if request is not None else None
+    if template_takes_tools:
+        return _with_argument_objects(messages), list(tools) if tools else None
+    has_tool_turns = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
+    if tools or has_tool_turns:
+        return describe_tools(messages, tools, parser_name), None
+    return messages, None
+
+
+def _with_argument_objects(messages: list[dict]) -> list[dict]:
+    """Messages for a template that renders tools: an assistant tool call's ``arguments`` JSON
+    string becomes the object Hugging Face templates expect (``arguments | tojson``)."""
+    out = []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = dict(call["function"])
+                try:
+                    arguments = json.loads(function["arguments"])
+                except (ValueError, TypeError):
+                    arguments = None
+                if isinstance(arguments, dict):
+                    function["arguments"] = arguments
+                calls.append({**call, "function": function})
+            message = {**message, "tool_calls": calls}
+        out.append(message)
+    return out
+
+
+class AnswerReader:
+    """One choice of an answer read through the request's parser: what is content, which tool
+    calls were made, and the finish_reason (``tool_calls`` when the model stopped after calling)."""
+
+    def __init__(self, request: ToolRequest) -> None:
+        self._parser = request.parser()
+        self.num_calls = 0
+
+    def read(self, text: str, finish_reason: str | None) -> tuple[Parsed, str | None]:
+        parsed = self._parser.feed(text)
+        if finish_reason is not None:
+            parsed.extend(self._parser.finish())
+        self.num_calls += len(parsed.tool_calls)
+        if finish_reason == "stop" and self.num_calls:
+            finish_reason = "tool_calls"
+        return parsed, finish_reason

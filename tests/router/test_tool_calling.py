@@ -1,0 +1,159 @@
+"""Tool calling over the OpenAI HTTP API, with the official openai client, against a fake
+prefill worker and a decode worker scripted to answer like a hermes-format model
+(tests/router/scripted_decode.py): a two-turn conversation (call, tool result, answer),
+streaming deltas equal to the non-streamed answer, tool_choice none / named, and the 400s."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from router.config import RouterConfig
+from router.server import Router
+from tests.router.conftest import MODEL
+from tests.router.fake_workers import FakeWorker
+from tests.router.scripted_decode import scripted_decode_worker
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string"}}}}}
+CALL_REPLY = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+              '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
+              '{"timezone": "Europe/Paris"}}\n</tool_call>')
+ANSWER_REPLY = "It is 18 degrees Celsius in Paris right now."
+
+
+@pytest.fixture(scope="module")
+def cluster(loop_thread, tokenizer):
+    async def start():
+        prefill = await FakeWorker("prefill", max_model_len=4096).start()
+        decode = await scripted_decode_worker().start()
+        config = RouterConfig(model=MODEL, http_port=0, grpc_port=0, prefill=(prefill.address,),
+                              decode=(decode.address,), heartbeat_interval_s=0.2, tool_call_parser="hermes",
+                              enable_auto_tool_choice=True)
+        router = await Router(config, tokenizer).start()
+        await router.registry.wait_healthy("prefill", 1)
+        await router.registry.wait_healthy("decode", 1)
+        return router, prefill, decode
+
+    router, prefill, decode = loop_thread.run(start())
+    yield router, decode.servicer
+    async def stop():
+        await router.stop()
+        await prefill.stop()
+        await decode.stop()
+    loop_thread.run(stop())
+
+
+@pytest.fixture()
+def client(cluster):
+    router, _ = cluster
+    return openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture()
+def decode(cluster, tokenizer):
+    servicer = cluster[1]
+    servicer.replies.clear()
+    servicer.prompts.clear()
+    return servicer
+
+
+def script(decode, tokenizer, *replies: str) -> None:
+    decode.replies.extend(tokenizer.encode(r, add_special_tokens=False) for r in replies)
+
+
+def test_two_turn_tool_conversation(client, decode, tokenizer):
+    script(decode, tokenizer, CALL_REPLY, ANSWER_REPLY)
+    messages = [{"role": "user", "content": "What is the weather and the time in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL])
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will look it up."
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris", "unit": "celsius"}),
+        ("function", "get_time", {"timezone": "Europe/Paris"})]
+    # SmolLM2-135M's template renders no tools: the router described them in a system message.
+    prompt = tokenizer.decode(decode.prompts[0], skip_special_tokens=False)
+    assert prompt.startswith("<|im_start|>system\nYou may call one or more functions")
+    assert json.dumps(WEATHER_TOOL) in prompt and "What is the weather" in prompt
+
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages += [{"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature": 18}'},
+                 {"role": "tool", "tool_call_id": calls[1].id, "content": '{"time": "14:05"}'}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL])
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.content == ANSWER_REPLY and not second.choices[0].message.tool_calls
+    prompt = tokenizer.decode(decode.prompts[1], skip_special_tokens=False)
+    assert ('<|im_start|>assistant\nI will look it up.\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time"') in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temperature": 18}\n</tool_response><|im_end|>' in prompt
+
+
+@pytest.mark.parametrize("tokens_per_message", [1, 3])
+def test_streamed_tool_calls_equal_the_non_streamed_answer(client, decode, tokenizer, tokens_per_message):
+    decode.tokens_per_message = tokens_per_message
+    script(decode, tokenizer, CALL_REPLY, CALL_REPLY)
+    messages = [{"role": "user", "content": "Weather and time in Paris?"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                 stream=True))
+    decode.tokens_per_message = 3
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+    assert content == full.choices[0].message.content
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in full.choices[0].message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["tool_calls"]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_malformed_call_is_content(client, decode, tokenizer):
+    bad = "<tool_call>\n{'name': 'get_weather', 'arguments': {'city': 'Paris'}}\n</tool_call>"
+    script(decode, tokenizer, bad)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
+                                         tools=[WEATHER_TOOL])
+    assert (out.choices[0].message.content, out.choices[0].message.tool_calls) == (bad, None)
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_tool_choice_none_neither_describes_nor_parses(client, decode, tokenizer):
+    script(decode, tokenizer, CALL_REPLY)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
+                                         tools=[WEATHER_TOOL], tool_choice="none")
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == (CALL_REPLY, "stop")
+    assert "<tools>" not in tokenizer.decode(decode.prompts[0], skip_special_tokens=False)
+
+
+def test_named_tool_choice_and_no_parallel_calls(client, decode, tokenizer):
+    script(decode, tokenizer, CALL_REPLY)
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
+                                         tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False,
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("kwargs,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400(client, decode, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **kwargs)
+    assert info.value.body["param"] == param and not decode.prompts
