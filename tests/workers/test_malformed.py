@@ -93,12 +93,15 @@ def test_set_destination_refuses_negative_or_wrong_block_count_and_garbage(pair)
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, ["block_ids must be >= 0"], lambda: stub.SetDestination(
         worker_pb2.SetDestinationRequest(request_id="neg", block_ids=[-1, 2], region_descriptor=b"x"), timeout=10))
     submit(prefill, decode.grpc, "dest-known", PROMPT, greedy(4))   # 20 tokens fill 2 blocks
+    fingerprint = decode.stats().fingerprint   # the model handshake passes; the destination does not
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, ["1 destination blocks for a prompt that fills 2"],
                   lambda: stub.SetDestination(worker_pb2.SetDestinationRequest(
-                      request_id="dest-known", block_ids=[5], region_descriptor=b"x"), timeout=10))
+                      request_id="dest-known", block_ids=[5], region_descriptor=b"x", fingerprint=fingerprint),
+                      timeout=10))
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, ["descriptor"],
                   lambda: stub.SetDestination(worker_pb2.SetDestinationRequest(
-                      request_id="dest-known", block_ids=[5, 6], region_descriptor=b"garbage"), timeout=10))
+                      request_id="dest-known", block_ids=[5, 6], region_descriptor=b"garbage", fingerprint=fingerprint),
+                      timeout=10))
     stub.Abort(worker_pb2.AbortRequest(request_id="dest-known"), timeout=10)
     wait_idle(prefill)
 
@@ -109,7 +112,8 @@ def test_submit_refused_for_its_early_destination_leaves_nothing_behind(pair):
     prefill, decode = pair
     stub = prefill.prefill_stub
     stub.SetDestination(worker_pb2.SetDestinationRequest(request_id="early-bad", block_ids=[5],
-                                                         region_descriptor=b"garbage"), timeout=10)
+                                                         region_descriptor=b"garbage",
+                                                         fingerprint=decode.stats().fingerprint), timeout=10)
     expect_status(grpc.StatusCode.INVALID_ARGUMENT, ["1 destination blocks for a prompt that fills 2"],
                   lambda: submit(prefill, decode.grpc, "early-bad", PROMPT, greedy(4)))
     wait_idle(prefill, timeout_s=2.0)

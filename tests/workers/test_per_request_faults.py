@@ -69,14 +69,17 @@ def test_set_destination_with_bad_block_ids_is_refused_and_the_prefill_worker_ke
     prefill, decode = pair
     call, dest = real_destination(decode, rogue, "probe")
     stub = prefill.prefill_stub
+    fingerprint = decode.stats().fingerprint   # the model handshake passes; the block ids do not
     # Early (before its Submit): the Submit is refused and nothing is computed for it.
     stub.SetDestination(worker_pb2.SetDestinationRequest(request_id="bad-early", block_ids=block_ids,
-                                                         region_descriptor=dest.descriptor), timeout=10)
+                                                         region_descriptor=dest.descriptor, fingerprint=fingerprint),
+                        timeout=10)
     expect_invalid(lambda: submit(prefill, decode.grpc, "bad-early", PROMPT, greedy(4)), *words)
     # Late (after its Submit): the destination is refused, the request can still be aborted.
     submit(prefill, decode.grpc, "bad-late", PROMPT, greedy(4))
     expect_invalid(lambda: stub.SetDestination(worker_pb2.SetDestinationRequest(
-        request_id="bad-late", block_ids=block_ids, region_descriptor=dest.descriptor), timeout=10), *words)
+        request_id="bad-late", block_ids=block_ids, region_descriptor=dest.descriptor, fingerprint=fingerprint),
+        timeout=10), *words)
     stub.Abort(worker_pb2.AbortRequest(request_id="bad-late"), timeout=10)
     call.cancel()
     still_serves(prefill, decode, expected, "bad-destination")
