@@ -141,6 +141,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_from_proto(request.sampling)
             if not request.prefill_address:
                 raise ValueError("prefill_address is empty: name the prefill worker computing this prompt")
+            if params.structured is not None:   # compiled off the engine thread; a bad one is refused here
+                await asyncio.to_thread(self.loop.engine.grammars.compile, params.structured)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         events = _Events()

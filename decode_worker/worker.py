@@ -266,8 +266,15 @@ class DecodeLoop(EngineLoop):
         if job.params.logprobs is not None and payload.first_logprob is not None:
             first_logprobs = {payload.first_token_id: payload.first_logprob}
             first_logprobs.update(dict(payload.top_logprobs))
-        seq = self.engine.add_prefilled(job.request_id, job.prompt_token_ids, job.params, job.block_ids,
-                                        payload.first_token_id, first_logprobs)
+        try:
+            seq = self.engine.add_prefilled(job.request_id, job.prompt_token_ids, job.params, job.block_ids,
+                                            payload.first_token_id, first_logprobs)
+        except ValueError as exc:   # the first token does not follow the request's grammar
+            self.jobs.pop(job.request_id, None)
+            self.engine.allocator.free(job.block_ids[::-1])
+            logger.warning("cannot start decoding request_id=%s: %s", job.request_id, exc)
+            self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker's first token: {exc}")))
+            return
         job.state = "running"
         job.num_cached_tokens = payload.num_cached_tokens
         now = time.monotonic()

@@ -7,6 +7,7 @@ so does the router process (this module imports no torch), so both refuse the sa
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -236,12 +237,72 @@ def check_sampling(*, temperature: float | None = None, top_p: float | None = No
     _require(bad is None, "stop_token_ids", f"be token ids in [0, {limit}), got {bad}")
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_STRUCTURED_SPEC_CHARS = 1 << 18   # a schema, regex, choice list or grammar, as text
+MAX_CHOICES = 1024
+
+
+def check_structured(kind: str, spec: str) -> None:
+    """What can be checked about a structured-output constraint without its grammar engine
+    (the router runs this; the workers then compile it with xgrammar, which is the final word).
+    ValueError saying what is wrong."""
+    if kind not in STRUCTURED_KINDS:
+        raise ValueError(f"structured output kind {kind!r} is not supported; use one of {STRUCTURED_KINDS}")
+    if len(spec) > MAX_STRUCTURED_SPEC_CHARS:
+        raise ValueError(f"the {kind} is {len(spec)} characters, more than {MAX_STRUCTURED_SPEC_CHARS}")
+    if kind == "json_object":
+        if spec:
+            raise ValueError("json_object takes no schema; use json_schema to give one")
+        return
+    if not spec:
+        raise ValueError(f"the {kind} is empty")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(spec)
+        except (ValueError, RecursionError) as exc:
+            raise ValueError(f"the JSON schema is not valid JSON: {exc}"[:300]) from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"a JSON schema is an object or a boolean, not {type(schema).__name__}")
+    elif kind == "choice":
+        try:
+            choices = json.loads(spec)
+        except ValueError:
+            choices = None
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise ValueError("choice must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"choice holds {len(choices)} strings, more than {MAX_CHOICES}")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow; engine.structured compiles it (xgrammar) and masks
+    every sampled token with it, on the prefill worker (first token) and the decode worker.
+
+    ``spec`` by ``kind``: json_schema: the schema as JSON text; json_object: empty (any JSON
+    object); regex: the pattern; choice: a JSON array of the allowed strings; grammar: EBNF
+    (xgrammar's dialect). ``num_resumed_tokens``: the prompt's last N tokens were generated under
+    this constraint by an earlier attempt (the router's failover re-sends prompt + output), so the
+    matcher accepts them before sampling. It is not part of the grammar's identity.
+    """
+
+    kind: str
+    spec: str = ""
+    num_resumed_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        check_structured(self.kind, self.spec)
+        if self.num_resumed_tokens < 0:
+            raise ValueError(f"num_resumed_tokens must be >= 0, got {self.num_resumed_tokens}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling parameters (OpenAI / vLLM semantics).
 
     ``top_k <= 0`` disables top-k; ``logprobs=None`` returns none, ``logprobs=k`` returns the
-    sampled token's logprob plus the top ``k`` (0 <= k <= 20).
+    sampled token's logprob plus the top ``k`` (0 <= k <= 20). With ``structured`` the logprobs
+    are those of the grammar-masked logits (as in vLLM, where the mask comes before the sampler).
     """
 
     temperature: float = 1.0
@@ -256,6 +317,7 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None   # the output follows this grammar
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

@@ -15,6 +15,7 @@ from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, SamplerOutput, SamplingRequest, advance_generator, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.structured import GrammarCache
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class LLMEngine:
                                    self.allocator, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | set(self.runner.arch.eos_token_ids)
+        # Structured output: the grammar's end is an end-of-sequence token (engine/structured.py).
+        self.grammars = GrammarCache(self.tokenizer, self.runner.arch.vocab_size, self.eos_token_ids)
         self.sequences: dict[str, Sequence] = {}
         self.keep_finished_blocks = keep_finished_blocks
         self.held: dict[str, Sequence] = {}   # finished, blocks not yet released
@@ -78,8 +81,9 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        grammar = self._grammar(params, prompt_token_ids)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_s=time.monotonic(),
-                       generator=make_generator(params.seed, self.runner.device))
+                       generator=make_generator(params.seed, self.runner.device), grammar=grammar)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -90,8 +94,9 @@ class LLMEngine:
         prefill worker) and whose first token was sampled there."""
         if request_id in self.sequences:
             raise ValueError(f"request_id={request_id!r} is already running")
+        grammar = self._grammar(params, prompt_token_ids, first_token)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_s=time.monotonic(),
-                       generator=make_generator(params.seed, self.runner.device))
+                       generator=make_generator(params.seed, self.runner.device), grammar=grammar)
         if seq.generator is not None and not params.greedy:
             # The prefill worker drew the first token from this seed: skip that draw so the
             # rest of the stream matches a colocated run.
@@ -112,6 +117,20 @@ class LLMEngine:
         else:
             self.scheduler.add_running(seq)
         return seq
+
+    def _grammar(self, params: SamplingParams, prompt_token_ids: list[int], *sampled: int):
+        """The request's grammar matcher (None when unconstrained), resumed past the output an
+        earlier attempt generated (the prompt's tail) and ``sampled``; ValueError when the
+        constraint does not compile or those tokens do not follow it."""
+        constraint = params.structured
+        if constraint is None:
+            return None
+        num_resumed = constraint.num_resumed_tokens
+        if num_resumed > len(prompt_token_ids):
+            raise ValueError(f"num_resumed_tokens={num_resumed} is more than the prompt's "
+                             f"{len(prompt_token_ids)} tokens")
+        resumed = list(prompt_token_ids[len(prompt_token_ids) - num_resumed:]) if num_resumed else []
+        return self.grammars.matcher(constraint, resumed + list(sampled))
 
     def abort_request(self, request_id: str) -> bool:
         if request_id in self.held:
@@ -151,7 +170,7 @@ class LLMEngine:
         logits = self.runner.execute(batch, hook, extra)
         sampling = self._sampling_seqs(batch)
         sampled = self.sampler(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids,
-                                                        s.generator) for s in sampling])
+                                                        s.generator, s.grammar) for s in sampling])
         return self._postprocess(batch, sampling, sampled)
 
     def _sampling_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -172,6 +191,7 @@ class LLMEngine:
         for i, seq in enumerate(sampling):
             token = sampled.token_ids[i]
             seq.output_token_ids.append(token)
+            off_grammar = seq.grammar is not None and not seq.grammar.accept(token)
             out = StepOutput(seq.request_id, [token])
             if seq.params.logprobs is not None:
                 entry = {token: sampled.logprobs[i]}
@@ -179,6 +199,11 @@ class LLMEngine:
                 seq.logprobs.append(entry)
                 out.new_logprobs.append(entry)
             reason = self._finish_reason(seq, token)
+            if off_grammar:
+                # Cannot happen while the mask holds; a broken output must never end as "stop".
+                logger.error("request_id=%s: sampled token %d does not follow its %s", seq.request_id, token,
+                             seq.params.structured.kind)
+                reason = "abort"
             if reason is not None:
                 self.scheduler.finish(seq, reason, keep_blocks=self.keep_finished_blocks)
                 self.sequences.pop(seq.request_id, None)
@@ -190,6 +215,8 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
+        if seq.grammar is not None and seq.grammar.is_terminated:
+            return "stop"   # it took an end-of-sequence token, which it allows only once complete
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:

@@ -3,6 +3,8 @@
 One call turns the last-position logits of a batch ``[B, V]`` into one token per row, each
 row under its own ``SamplingParams``. The order follows vLLM:
 
+0. rows with a structured-output grammar get every token it forbids next set to -inf
+   (``engine.structured``; vLLM applies this bitmask before its sampler too);
 1. logprobs, when any row asks, come from the raw logits (``log_softmax`` before penalties
    and temperature: vLLM's default "raw logprobs");
 2. repetition penalty over prompt + output tokens, then frequency and presence penalties
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import SamplingParams
+from engine.structured import GrammarState, apply_grammar_masks
 
 
 @dataclass
@@ -35,6 +38,7 @@ class SamplingRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # from make_generator(params.seed); None = shared
+    grammar: GrammarState | None = None       # the request's matcher when params.structured is set
 
 
 @dataclass
@@ -170,6 +174,9 @@ class Sampler:
                              f"got shape {tuple(logits.shape)}")
         if logits.dtype != torch.float32:
             logits = logits.float()
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if constrained:
+            logits = _mask_by_grammar(logits, constrained, [requests[i].grammar for i in constrained])
         params = [r.params for r in requests]
         wants_logprobs = any(p.logprobs is not None for p in params)
 
@@ -236,6 +243,14 @@ class Sampler:
             generator = make_generator(self._seed, device)
             self._shared_generators[device] = generator
         return generator
+
+
+def _mask_by_grammar(logits: torch.Tensor, rows: list[int], grammars: list[GrammarState]) -> torch.Tensor:
+    """A copy of ``logits`` whose ``rows`` keep only the tokens their grammar allows next (the
+    model runner's output is left as it was)."""
+    logits = logits.clone()
+    apply_grammar_masks(logits, rows, grammars)
+    return logits
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:

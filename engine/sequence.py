@@ -33,6 +33,8 @@ class Sequence:
     generator: Any = None            # torch.Generator when the request has a seed
     logprobs: list[dict[int, float]] = field(default_factory=list)
     num_retractions: int = 0
+    grammar: Any = None              # engine.structured.GrammarState when params.structured is set;
+                                     # it has accepted every output token so far
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ KV layout is refused with FAILED_PRECONDITION naming both, and the request is dr
 """
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from engine.serving.convert import check_request, sampling_from_proto
@@ -28,6 +30,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prompt = list(request.prompt_token_ids)
             check_request(request.request_id, prompt, self.vocab_size, self.max_model_len)
             params = sampling_from_proto(request.sampling)
+            if params.structured is not None:   # compiled off the engine thread; a bad one is refused here
+                await asyncio.to_thread(self.loop.engine.grammars.compile, params.structured)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         job = PrefillJob(request.request_id, prompt, params, request.decode_address)

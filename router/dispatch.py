@@ -201,6 +201,9 @@ class Dispatcher:
         params = worker_pb2.SamplingParams()
         params.CopyFrom(sampling)
         params.max_tokens = progress.max_tokens - len(progress.output_token_ids)
+        if params.HasField("grammar"):
+            # The prompt ends with the output streamed so far: both workers' matchers resume after it.
+            params.grammar.num_resumed_tokens = len(progress.output_token_ids)
         prefill = self._pick("prefill", self.prefill_policy, prompt, avoid)
         decode = self._pick("decode", self.decode_policy, prompt, avoid)
         attempt = Attempt(attempt_id, prefill, decode)

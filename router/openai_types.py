@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protos.tandem.v1 import tandem_pb2
 from router.errors import invalid_request
-from router.sampling import check_stop, unencodable
+from router.sampling import check_stop, output_grammar, unencodable
 
 MAX_N = 16
 _INT32 = range(-2**31, 2**31)
@@ -25,6 +25,38 @@ _INT64 = range(-2**63, 2**63)
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = ""
+    description: str | None = None
+    schema_: Union[dict, bool, None] = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsParams(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    json_: Union[dict, bool, str, None] = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+def _schema_text(schema: Union[dict, bool, str]) -> str:
+    return schema if isinstance(schema, str) else json.dumps(schema)
 
 
 class _SamplingFields(BaseModel):
@@ -48,6 +80,53 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     request_id: str = ""
+    # Structured output: OpenAI's response_format, vLLM's structured_outputs and its older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: Union[dict, bool, str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured(self) -> tandem_pb2.StructuredOutputs | None:
+        """The one output constraint the body asks for (None: free text); 400 naming the field
+        when it is malformed or when two are given."""
+        found: list[tuple[str, tandem_pb2.StructuredOutputs]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", tandem_pb2.StructuredOutputs(json_object=True)))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise invalid_request("response_format json_schema needs json_schema.schema",
+                                      "response_format.json_schema")
+            found.append(("response_format",
+                          tandem_pb2.StructuredOutputs(json_schema=_schema_text(rf.json_schema.schema_))))
+        so = self.structured_outputs
+        if so is not None:
+            given = {"json_schema": None if so.json_ is None else _schema_text(so.json_),
+                     "json_object": so.json_object or None, "regex": so.regex,
+                     "choice": None if so.choice is None else tandem_pb2.Choices(values=so.choice),
+                     "grammar": so.grammar}
+            given = {k: v for k, v in given.items() if v is not None}
+            if len(given) != 1:
+                raise invalid_request("structured_outputs must set exactly one of json, json_object, regex, choice "
+                                      f"and grammar, got {len(given)}", "structured_outputs")
+            found.append(("structured_outputs", tandem_pb2.StructuredOutputs(**given)))
+        for param, kind, value in (("guided_json", "json_schema", self.guided_json),
+                                   ("guided_regex", "regex", self.guided_regex),
+                                   ("guided_choice", "choice", self.guided_choice),
+                                   ("guided_grammar", "grammar", self.guided_grammar)):
+            if value is not None:
+                value = (_schema_text(value) if kind == "json_schema"
+                         else tandem_pb2.Choices(values=value) if kind == "choice" else value)
+                found.append((param, tandem_pb2.StructuredOutputs(**{kind: value})))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise invalid_request(f"give one output constraint, not {' and '.join(p for p, _ in found)}", found[1][0])
+        param, constraint = found[0]
+        output_grammar(constraint, param)   # a 400 naming the client's field, before tokenizing
+        return constraint
 
     def sampling(self, max_tokens: int | None, logprobs: int | None) -> tandem_pb2.Sampling:
         if not 1 <= self.n <= MAX_N:
@@ -62,6 +141,9 @@ class _SamplingFields(BaseModel):
         if bad is not None:
             raise invalid_request(f"stop_token_ids must be token ids, got {bad}", "stop_token_ids")
         msg = tandem_pb2.Sampling(stop=stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos)
+        structured = self.structured()
+        if structured is not None:
+            msg.structured_outputs.CopyFrom(structured)
         values = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                   "repetition_penalty": self.repetition_penalty, "presence_penalty": self.presence_penalty,
                   "frequency_penalty": self.frequency_penalty, "seed": self.seed, "max_tokens": max_tokens,

@@ -6,12 +6,19 @@ INVALID_ARGUMENT naming the field before any worker sees it. On top of those the
 what only it knows: the vocabulary (stop_token_ids), the stop strings it applies itself, and
 prompt + max_tokens against max_model_len with both numbers in the message. A positive
 temperature too small to divide by (denormals included) is raised to MIN_TEMPERATURE, as vLLM does.
+
+Structured outputs become the workers' OutputGrammar here. The router checks what it can without
+a grammar engine (engine.config.check_structured: JSON that parses, a non-empty choice list,
+sizes); the workers compile with xgrammar and refuse anything else with INVALID_ARGUMENT, which
+reaches the client as a 400 before the first token (router/http_api.py holds a structured
+stream's headers until then).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
-from engine.config import InvalidSamplingError, check_sampling, clamp_temperature
+from engine.config import InvalidSamplingError, check_sampling, check_structured, clamp_temperature
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router.errors import invalid_request
 
@@ -49,6 +56,25 @@ def check_stop(stop) -> None:
     _check(not any(unencodable(x) for x in stop), "stop strings must be valid Unicode (no lone surrogates)", "stop")
 
 
+def output_grammar(public: tandem_pb2.StructuredOutputs, param: str = "structured_outputs") -> worker_pb2.OutputGrammar:
+    """The workers' form of a structured-output constraint; a 400 naming ``param`` if it is bad."""
+    kind = public.WhichOneof("kind")
+    if kind is None:
+        raise invalid_request(f"{param} sets no constraint: give json_schema, json_object, regex, choice or "
+                              "grammar", param)
+    if kind == "json_object" and not public.json_object:
+        raise invalid_request(f"{param}.json_object must be true when given", param)
+    if kind == "choice":
+        spec = json.dumps(list(public.choice.values))
+    else:
+        spec = "" if kind == "json_object" else getattr(public, kind)
+    try:
+        check_structured(kind, spec)
+    except ValueError as exc:
+        raise invalid_request(f"{param}: {exc}", param) from None
+    return worker_pb2.OutputGrammar(kind=kind, spec=spec)
+
+
 def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_model_len: int | None,
                      default_max_tokens: int | None, vocab_size: int | None = None) -> PreparedSampling:
     """``default_max_tokens=None`` means "the rest of the context" (chat's default)."""
@@ -82,4 +108,6 @@ def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_mo
                                        max_tokens=max_tokens, **values)
     if has("temperature"):
         params.temperature = clamp_temperature(s.temperature)
+    if has("structured_outputs"):
+        params.grammar.CopyFrom(output_grammar(s.structured_outputs))
     return PreparedSampling(params, tuple(s.stop))

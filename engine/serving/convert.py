@@ -1,7 +1,7 @@
 """Proto <-> engine type conversion and request validation for the worker servicers."""
 from __future__ import annotations
 
-from engine.config import SamplingParams
+from engine.config import SamplingParams, StructuredOutput
 from protos.tandem.v1 import worker_pb2
 
 MAX_REQUEST_ID_LEN = 256
@@ -12,6 +12,9 @@ _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalt
 def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
     """Engine SamplingParams; unset optional fields keep the engine defaults. ValueError if bad."""
     values = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
+    if msg.HasField("grammar"):
+        g = msg.grammar
+        values["structured"] = StructuredOutput(g.kind, g.spec, g.num_resumed_tokens)
     return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **values)
 
 
@@ -25,6 +28,10 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured is not None:
+        s = params.structured
+        msg.grammar.CopyFrom(worker_pb2.OutputGrammar(kind=s.kind, spec=s.spec,
+                                                      num_resumed_tokens=s.num_resumed_tokens))
     return msg
 
 

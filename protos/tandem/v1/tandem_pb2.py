@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xd2\x03\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x87\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x05 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa0\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa9\x01\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\x13\n\x11GetClusterRequest\"\x8f\x02\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\x04\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\">\n\x12GetClusterResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus2\xa4\x02\n\x06Tandem\x12\x46\n\x08Generate\x12\x1c.tandem.v1.CompletionRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12<\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12I\n\nGetCluster\x12\x1c.tandem.v1.GetClusterRequest\x1a\x1d.tandem.v1.GetClusterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\x8c\x04\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputsB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"\x93\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x87\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x05 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa0\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa9\x01\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\x13\n\x11GetClusterRequest\"\x8f\x02\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\x04\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\">\n\x12GetClusterResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus2\xa4\x02\n\x06Tandem\x12\x46\n\x08Generate\x12\x1c.tandem.v1.CompletionRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12<\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12I\n\nGetCluster\x12\x1c.tandem.v1.GetClusterRequest\x1a\x1d.tandem.v1.GetClusterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,33 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.tandem_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING']._serialized_start=38
-  _globals['_SAMPLING']._serialized_end=504
-  _globals['_COMPLETIONREQUEST']._serialized_start=507
-  _globals['_COMPLETIONREQUEST']._serialized_end=642
-  _globals['_CHATMESSAGE']._serialized_start=644
-  _globals['_CHATMESSAGE']._serialized_end=688
-  _globals['_CHATREQUEST']._serialized_start=691
-  _globals['_CHATREQUEST']._serialized_end=851
-  _globals['_TOPLOGPROB']._serialized_start=853
-  _globals['_TOPLOGPROB']._serialized_end=900
-  _globals['_TOKENLOGPROB']._serialized_start=902
-  _globals['_TOKENLOGPROB']._serialized_end=987
-  _globals['_USAGE']._serialized_start=989
-  _globals['_USAGE']._serialized_end=1069
-  _globals['_COMPLETIONCHUNK']._serialized_start=1072
-  _globals['_COMPLETIONCHUNK']._serialized_end=1241
-  _globals['_LISTMODELSREQUEST']._serialized_start=1243
-  _globals['_LISTMODELSREQUEST']._serialized_end=1262
-  _globals['_MODELINFO']._serialized_start=1264
-  _globals['_MODELINFO']._serialized_end=1328
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1330
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1388
-  _globals['_GETCLUSTERREQUEST']._serialized_start=1390
-  _globals['_GETCLUSTERREQUEST']._serialized_end=1409
-  _globals['_WORKERSTATUS']._serialized_start=1412
-  _globals['_WORKERSTATUS']._serialized_end=1683
-  _globals['_GETCLUSTERRESPONSE']._serialized_start=1685
-  _globals['_GETCLUSTERRESPONSE']._serialized_end=1747
-  _globals['_TANDEM']._serialized_start=1750
-  _globals['_TANDEM']._serialized_end=2042
+  _globals['_SAMPLING']._serialized_end=562
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=565
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=712
+  _globals['_CHOICES']._serialized_start=714
+  _globals['_CHOICES']._serialized_end=739
+  _globals['_COMPLETIONREQUEST']._serialized_start=742
+  _globals['_COMPLETIONREQUEST']._serialized_end=877
+  _globals['_CHATMESSAGE']._serialized_start=879
+  _globals['_CHATMESSAGE']._serialized_end=923
+  _globals['_CHATREQUEST']._serialized_start=926
+  _globals['_CHATREQUEST']._serialized_end=1086
+  _globals['_TOPLOGPROB']._serialized_start=1088
+  _globals['_TOPLOGPROB']._serialized_end=1135
+  _globals['_TOKENLOGPROB']._serialized_start=1137
+  _globals['_TOKENLOGPROB']._serialized_end=1222
+  _globals['_USAGE']._serialized_start=1224
+  _globals['_USAGE']._serialized_end=1304
+  _globals['_COMPLETIONCHUNK']._serialized_start=1307
+  _globals['_COMPLETIONCHUNK']._serialized_end=1476
+  _globals['_LISTMODELSREQUEST']._serialized_start=1478
+  _globals['_LISTMODELSREQUEST']._serialized_end=1497
+  _globals['_MODELINFO']._serialized_start=1499
+  _globals['_MODELINFO']._serialized_end=1563
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1565
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1623
+  _globals['_GETCLUSTERREQUEST']._serialized_start=1625
+  _globals['_GETCLUSTERREQUEST']._serialized_end=1644
+  _globals['_WORKERSTATUS']._serialized_start=1647
+  _globals['_WORKERSTATUS']._serialized_end=1918
+  _globals['_GETCLUSTERRESPONSE']._serialized_start=1920
+  _globals['_GETCLUSTERRESPONSE']._serialized_end=1982
+  _globals['_TANDEM']._serialized_start=1985
+  _globals['_TANDEM']._serialized_end=2277
 # @@protoc_insertion_point(module_scope)
