@@ -248,6 +248,8 @@ class HttpApi:
         created = int(time.time())
         model = self.frontend.model_name
         streams = [self.frontend.stream(r) for r in requests]
+        if body.stream and sampling.HasField("structured_outputs"):
+            streams = await _primed(streams)
         stream_body = self._stream_completion(streams, response_id, created, model, body) if body.stream else None
         chunks = await self._respond(request, streams, stream_body)
         if not isinstance(chunks, list):
@@ -311,6 +313,8 @@ class HttpApi:
         created = int(time.time())
         model = self.frontend.model_name
         streams = [self.frontend.stream(r) for r in requests]
+        if body.stream and sampling.HasField("structured_outputs"):
+            streams = await _primed(streams)
         stream_body = self._stream_chat(streams, response_id, created, model, body, tools) if body.stream else None
         chunks = await self._respond(request, streams, stream_body)
         if not isinstance(chunks, list):
@@ -382,6 +386,35 @@ def _with_seed(sampling, seed: int | None, j: int):
     copy.CopyFrom(sampling)
     copy.seed = seed + j
     return copy
+
+
+async def _primed(streams: list[AsyncIterator[TextChunk]]) -> list[AsyncIterator[TextChunk]]:
+    """The streams with their first chunk already awaited, so that a constraint the workers refuse
+    to compile (INVALID_ARGUMENT before any token) is a 400 here rather than an error event after
+    a 200 went out. Only structured requests wait: their grammar is checked by the workers."""
+    firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+    try:
+        await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
+        failed = next((t for t in firsts if t.done() and t.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
+    except BaseException:
+        for task in firsts:
+            task.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+        raise
+    return [_after(task.result(), stream) for task, stream in zip(firsts, streams)]
+
+
+async def _after(first: TextChunk, rest: AsyncIterator[TextChunk]) -> AsyncIterator[TextChunk]:
+    try:
+        yield first
+        async for chunk in rest:
+            yield chunk
+    finally:
+        await rest.aclose()   # a client gone mid-stream aborts the request at once
 
 
 async def _collect(stream: AsyncIterator[TextChunk]) -> TextChunk:
