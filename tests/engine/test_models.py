@@ -58,6 +58,10 @@ def test_arch_from_transformers_config(tiny_model_dir, name, architecture, tied,
 
 # -- tiny random checkpoints vs transformers ---------------------------------------------------
 
+# float32 logits against transformers' float32 forward: at most 1.4e-6 relative error measured on
+# the tiny checkpoints and 3e-6 on SmolLM2 (Q4_1 weights dequantized for both sides).
+LOGITS_REL_TOL = 1e-5
+
 @pytest.mark.parametrize("name", TINY_ARCHS)
 def test_prompt_logits_match_transformers(tiny_model_dir, hf_model, make_llm, name):
     llm = make_llm(tiny_model_dir(name))
@@ -66,7 +70,7 @@ def test_prompt_logits_match_transformers(tiny_model_dir, hf_model, make_llm, na
     ref = hf_logits(hf_model(name), prompt)
     assert ours.dtype == torch.float32
     assert ours.shape == ref.shape == (37, 49152)
-    assert rel_error(ours, ref) < 1e-4
+    assert rel_error(ours, ref) < LOGITS_REL_TOL
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     assert llm.engine.allocator.num_used_blocks == 0
 
@@ -87,7 +91,7 @@ def test_llama3_rope_scaling_past_original_context(tiny_model_dir, hf_model, mak
     hf = hf_model("llama3_rope")
     prompt = random_prompt(seed=13, num_tokens=100)
     ours = full_prompt_logits(llm.engine.runner, llm.engine.allocator, prompt)
-    assert rel_error(ours, hf_logits(hf, prompt)) < 1e-4
+    assert rel_error(ours, hf_logits(hf, prompt)) < LOGITS_REL_TOL
     [out] = llm.generate(prompt, GREEDY_16)
     assert out.token_ids == hf_greedy(hf, prompt, 16)
 
@@ -159,7 +163,7 @@ def test_smollm2_greedy_chat_matches_transformers(smollm2_llm, smollm2_hf):
 def test_smollm2_prompt_logits_match_transformers(smollm2_llm, smollm2_hf):
     prompt = smollm2_llm.tokenizer.encode_chat(FRANCE)
     ours = full_prompt_logits(smollm2_llm.engine.runner, smollm2_llm.engine.allocator, prompt)
-    assert rel_error(ours, hf_logits(smollm2_hf, prompt)) < 1e-3
+    assert rel_error(ours, hf_logits(smollm2_hf, prompt)) < 3 * LOGITS_REL_TOL
 
 
 BF16_PROMPTS = [FRANCE, [{"role": "user", "content": "Write a haiku about the sea."}],

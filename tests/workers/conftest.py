@@ -22,6 +22,9 @@ from tests.workers.harness import Worker
 BLOCK_SIZE = 16
 POOL_BLOCKS = 256
 REFERENCE_BLOCKS = 512
+# Worker logprobs against the colocated LLM's, float32 on both sides: at most 3e-6 apart measured
+# (batches differ between the two, so the reductions do too).
+LOGPROB_ABS_TOL = 2e-5
 
 
 @pytest.fixture(scope="session")
@@ -104,9 +107,22 @@ def check_greedy_matches_colocated(prefill, decode, reference, lengths: list[int
     results = run_concurrently([
         (lambda i=i: generate(prefill, decode, f"{tag}-{i}", prompts[i], greedy(max_tokens[i])))
         for i in range(len(prompts))])
+    assert len(results) == len(expected) == len(prompts)
     for i, (result, ref) in enumerate(zip(results, expected)):
         assert result.error is None and result.submit_error is None, (i, result.error, result.submit_error)
         assert result.token_ids == ref.token_ids, f"request {i} (prompt {lengths[i]} tokens)"
         assert result.final.finish_reason == "length"
     wait_idle(prefill, decode)
     return results
+
+
+def check_logprobs_match(result, ref, num_top: int) -> None:
+    """A worker pair's TokenLogprobs equal the colocated LLM's entries: one per token, the
+    sampled token's logprob, and the top ``num_top`` token ids (in order) with their logprobs."""
+    assert len(result.logprobs) == len(ref.logprobs) == len(ref.token_ids)
+    for token, entry, got in zip(ref.token_ids, ref.logprobs, result.logprobs):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+        assert got.token_id == token
+        assert got.logprob == pytest.approx(entry[token], abs=LOGPROB_ABS_TOL)
+        assert list(got.top_token_ids) == [t for t, _ in top]
+        assert list(got.top_logprobs) == pytest.approx([lp for _, lp in top], abs=LOGPROB_ABS_TOL)

@@ -12,7 +12,7 @@ import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import check_greedy_matches_colocated, pool_flags, prompts_for
+from tests.workers.conftest import check_greedy_matches_colocated, check_logprobs_match, pool_flags, prompts_for
 from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
 
 LENGTHS = [3, 90, 17, 33, 64, 5, 48, 16, 81, 29, 12, 70, 9, 55, 40, 24]
@@ -46,16 +46,12 @@ def test_logprobs_match_colocated(pair, reference):
     results = run_concurrently([
         (lambda i=i: generate(prefill, decode, f"logprobs-{i}", prompts[i], greedy(6, logprobs=3)))
         for i in range(len(prompts))])
+    assert len(results) == len(expected) == len(prompts)
     for result, ref in zip(results, expected):
         assert result.error is None, result.error
         assert result.token_ids == ref.token_ids
-        assert len(result.logprobs) == len(ref.token_ids) == 6
-        for token, entry, got in zip(ref.token_ids, ref.logprobs, result.logprobs):
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:3]
-            assert got.token_id == token
-            assert got.logprob == pytest.approx(entry[token], abs=1e-4)
-            assert list(got.top_token_ids) == [t for t, _ in top]
-            assert list(got.top_logprobs) == pytest.approx([lp for _, lp in top], abs=1e-4)
+        assert len(result.logprobs) == 6
+        check_logprobs_match(result, ref, num_top=3)
 
 
 def test_no_logprobs_unless_asked(pair):

@@ -15,7 +15,7 @@ import pytest
 
 from engine.config import SamplingParams
 from engine.distributed import free_local_port
-from tests.workers.conftest import check_greedy_matches_colocated, pool_flags, prompts_for
+from tests.workers.conftest import check_greedy_matches_colocated, check_logprobs_match, pool_flags, prompts_for
 from protos.tandem.v1 import worker_pb2
 from tests.workers.harness import RPC_TIMEOUT_S, START_TIMEOUT_S, generate, greedy, run_concurrently, wait_idle
 
@@ -64,8 +64,8 @@ def test_tp2_workers_logprobs_match_colocated(tp_pair, reference):
     result = generate(prefill, decode, "tp-logprobs", prompt, greedy(5, logprobs=2))
     assert result.error is None, result.error
     assert result.token_ids == ref.token_ids
-    for token, entry, got in zip(ref.token_ids, ref.logprobs, result.logprobs):
-        assert got.logprob == pytest.approx(entry[token], abs=1e-4)
+    assert len(result.logprobs) == 5
+    check_logprobs_match(result, ref, num_top=2)
 
 
 def test_tp_size_mismatch_fails_the_request_naming_both_sizes(tp_pair, spawn, tiny_dir):
