@@ -296,8 +296,7 @@ class HttpApi:
         choice = body.tool_choice
         return ToolRequest.from_openai([t.as_dict() for t in body.tools or ()],
                                        choice.model_dump() if hasattr(choice, "model_dump") else choice,
-                                       body.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice,
-                                       can_force=False)
+                                       body.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice)
 
     async def chat(self, request: Request):
         body = await self.read(request, ChatCompletionRequest)
@@ -305,6 +304,8 @@ class HttpApi:
         self.frontend.check_fan_out(1, body.n)
         sampling = body.sampling(body.max_output_tokens, body.num_logprobs)
         tools = self._tool_request(body)
+        if tools is not None:
+            tools.constrain(sampling)
         messages = [m.as_dict() for m in body.messages]
         num_chars = sum(len(m["content"]) for m in messages)
         requests = await self._off_loop(num_chars, self._prepare_chat, body, messages, sampling, tools)

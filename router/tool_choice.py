@@ -15,7 +15,6 @@ calls and results are written as text in that format (``describe_tools``).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -28,18 +27,15 @@ CHOICES = ("auto", "none", "required")
 @dataclass(frozen=True)
 class ToolRequest:
     tools: tuple[dict, ...]        # OpenAI's [{"type": "function", "function": {name, description, parameters}}]
-    choice: str                    # "auto", "required", "function" (a named one), or "asked": one of
-    #                                the last two read like "auto" while nothing can force it
+    choice: str                    # "auto", "required" or "function" (a named one)
     function_name: str | None      # the named function
     parallel: bool                 # more than one call per answer
     parser_name: str               # --tool-call-parser ("" = none)
 
     @classmethod
     def from_openai(cls, tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
-                    parser_name: str, auto_enabled: bool, can_force: bool = True) -> ToolRequest | None:
-        """None when the request involves no tools; RouterError 400 for a choice that cannot hold.
-        Without ``can_force`` (no constrained decoding), ``required`` and named choices are read
-        with the configured parser like ``auto``: the model is asked, not made, to call."""
+                    parser_name: str, auto_enabled: bool) -> ToolRequest | None:
+        """None when the request involves no tools; RouterError 400 for a choice that cannot hold."""
         tools = list(tools or [])
         names = [t["function"]["name"] for t in tools]
         duplicate = next((n for n in names if names.count(n) > 1), None)
@@ -61,13 +57,7 @@ class ToolRequest:
         if choice == "auto" and not (auto_enabled and parser_name):
             raise errors.invalid_request('tool_choice "auto" needs the router started with --enable-auto-tool-choice '
                                          "and --tool-call-parser", "tool_choice")
-        request = cls(tuple(tools), choice, function_name, parallel_tool_calls is not False, parser_name)
-        if request.forced and not can_force:
-            if not parser_name:
-                raise errors.invalid_request(f"tool_choice {choice!r} needs constrained decoding or --tool-call-parser",
-                                             "tool_choice")
-            request = dataclasses.replace(request, choice="asked")
-        return request
+        return cls(tuple(tools), choice, function_name, parallel_tool_calls is not False, parser_name)
 
     @property
     def forced(self) -> bool:
@@ -86,6 +76,17 @@ class ToolRequest:
         if not self.parallel:
             schema["maxItems"] = 1
         return schema
+
+    def constrain(self, sampling) -> None:
+        """Under ``required`` or a named choice, make ``sampling`` (a tandem.v1.Sampling) produce the
+        forced call's JSON; 400 if the request constrains its output otherwise as well."""
+        if not self.forced:
+            return
+        if sampling.HasField("structured_outputs"):
+            raise errors.invalid_request(f"tool_choice {self.choice if self.choice != 'function' else 'naming a function'}"
+                                         " constrains the output; it cannot be combined with response_format or "
+                                         "structured outputs", "tool_choice")
+        sampling.structured_outputs.json_schema = json.dumps(self.forced_schema())
 
     def parser(self) -> ToolCallParser:
         """A fresh parser for one choice of the answer."""

@@ -1,8 +1,8 @@
 """A fake decode worker that answers with scripted text (router tests of output parsing).
 
 ``ScriptedDecode`` streams the tokens of the next scripted reply, a few per message, then
-finishes with ``stop`` (or ``length`` if max_tokens cuts it), and records every prompt it got so
-a test can read what the chat template produced. Used in place of FakeDecode's token formula
+finishes with ``stop`` (or ``length`` if max_tokens cuts it), and records every prompt and sampling it got
+so a test can read what the chat template produced and how the output was constrained. Used in place of FakeDecode's token formula
 where the router must read the text (tool calls, tests/router/test_tool_calling.py).
 """
 from __future__ import annotations
@@ -18,11 +18,13 @@ class ScriptedDecode(FakeDecode):
         super().__init__(state)
         self.replies: deque[list[int]] = deque()
         self.prompts: list[list[int]] = []
+        self.sampling: list[worker_pb2.SamplingParams] = []
         self.tokens_per_message = tokens_per_message
 
     async def Generate(self, request, context):
         self.state.seen.append(request.request_id)
         self.prompts.append(list(request.prompt_token_ids))
+        self.sampling.append(request.sampling)
         tokens = self.replies.popleft()
         params = request.sampling
         max_tokens = params.max_tokens if params.HasField("max_tokens") else len(tokens)

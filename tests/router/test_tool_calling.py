@@ -61,6 +61,7 @@ def decode(cluster, tokenizer):
     servicer = cluster[1]
     servicer.replies.clear()
     servicer.prompts.clear()
+    servicer.sampling.clear()
     return servicer
 
 
@@ -138,11 +139,51 @@ def test_tool_choice_none_neither_describes_nor_parses(client, decode, tokenizer
     assert "<tools>" not in tokenizer.decode(decode.prompts[0], skip_special_tokens=False)
 
 
-def test_named_tool_choice_and_no_parallel_calls(client, decode, tokenizer):
+def test_named_choice_is_forced_by_a_json_schema(client, decode, tokenizer):
+    script(decode, tokenizer, '{"city": "Paris", "unit": "celsius"}')
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
+                                         tools=[WEATHER_TOOL, TIME_TOOL],
+                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    grammar = decode.sampling[0].grammar
+    assert (grammar.kind, json.loads(grammar.spec)) == ("json_schema", WEATHER_TOOL["function"]["parameters"])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"})]
+
+
+def test_required_choice_streams_its_calls(client, decode, tokenizer):
+    script(decode, tokenizer, '[{"name": "get_time", "parameters": {"timezone": "UTC"}}, '
+                              '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "?"}],
+                                                 tools=[WEATHER_TOOL, TIME_TOOL], tool_choice="required", stream=True))
+    schema = json.loads(decode.sampling[0].grammar.spec)
+    assert schema["type"] == "array" and "maxItems" not in schema
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name) for d in deltas if d.id] == [(0, "get_time"), (1, "get_weather")]
+    assert [d.function.arguments for d in deltas if not d.id] == ['{"timezone": "UTC"}', '{"city": "Oslo"}']
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_required_without_parallel_calls_allows_one(client, decode, tokenizer):
+    script(decode, tokenizer, CALL_REPLY)
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "?"}], tools=[WEATHER_TOOL],
+                                   tool_choice="required", parallel_tool_calls=False)
+    assert json.loads(decode.sampling[0].grammar.spec)["maxItems"] == 1
+
+
+def test_forced_choice_and_response_format_together_are_400(client, decode):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
+                                       tool_choice="required", response_format={"type": "json_object"})
+    assert info.value.body["param"] == "tool_choice" and not decode.prompts
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client, decode, tokenizer):
     script(decode, tokenizer, CALL_REPLY)
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Paris?"}],
-                                         tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False,
-                                         tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                                         tools=[WEATHER_TOOL, TIME_TOOL], parallel_tool_calls=False)
     assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
 
 

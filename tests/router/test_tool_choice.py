@@ -19,8 +19,8 @@ WEATHER = {"type": "function", "function": {
 CLOCK = {"type": "function", "function": {"name": "get_time"}}
 
 
-def request(tool_choice=None, tools=(WEATHER, CLOCK), parallel=None, parser="hermes", auto=True, can_force=True):
-    return ToolRequest.from_openai(list(tools), tool_choice, parallel, parser, auto, can_force)
+def request(tool_choice=None, tools=(WEATHER, CLOCK), parallel=None, parser="hermes", auto=True):
+    return ToolRequest.from_openai(list(tools), tool_choice, parallel, parser, auto)
 
 
 def test_choices_and_their_defaults():
@@ -29,9 +29,11 @@ def test_choices_and_their_defaults():
     named = request({"type": "function", "function": {"name": "get_time"}})
     assert (named.choice, named.function_name, named.forced) == ("function", "get_time", True)
     assert request("required", parallel=False).parallel is False
-    # Nothing to force with: the choice is only asked for and read with the parser.
-    asked = request("required", can_force=False)
-    assert (asked.choice, asked.forced, type(asked.parser()).__name__) == ("asked", False, "HermesParser")
+    # Forced choices need no parser: the output is JSON by construction.
+    required = request("required", parser="", auto=False)
+    assert (required.forced, type(required.parser()).__name__) == (True, "ForcedParser")
+    assert type(request().parser()).__name__ == "HermesParser"
+    assert type(request(parser="llama3_json").parser()).__name__ == "Llama3JsonParser"
 
 
 @pytest.mark.parametrize("kwargs,message", [
@@ -40,7 +42,6 @@ def test_choices_and_their_defaults():
     ({"tools": (WEATHER, WEATHER)}, "two tools are named 'get_weather'"),
     ({"auto": False}, "--enable-auto-tool-choice"),
     ({"parser": "", "auto": False}, "--enable-auto-tool-choice"),
-    ({"tool_choice": "required", "parser": "", "auto": False, "can_force": False}, "needs constrained decoding"),
 ])
 def test_requests_that_cannot_hold_are_400(kwargs, message):
     with pytest.raises(RouterError) as info:

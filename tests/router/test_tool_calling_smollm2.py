@@ -1,0 +1,113 @@
+"""Tool calling end to end on the real SmolLM2-135M-Instruct: a router (hermes parser, auto tool
+choice on) over a real prefill and a real decode worker process, driven by the official openai
+client. SmolLM2-135M's template renders no tools, so the router describes them; a named or
+``required`` tool_choice is forced by the structured-output grammar, which makes the call
+reliable even on a model this small. Two turns: call (forced), tool result, answer."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from deploy.launch import WorkerProcess
+from engine.tokenizer import Tokenizer
+from router.config import RouterConfig
+from router.server import Router
+from tests.engine.conftest import smollm2_gguf  # noqa: F401 - the session fixture, registered here
+
+pytestmark = pytest.mark.slow
+NAME = "smollm2"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the local time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+
+
+def _worker(role: str, model: Path, log_dir: Path) -> WorkerProcess:
+    log = open(log_dir / f"{role}.stderr", "wb")  # noqa: SIM115 - closed with the process at teardown
+    worker = WorkerProcess(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype", "float32",
+                                  "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "128",
+                                  "--block-size", "16", "--max-model-len", "2048"],
+                           stderr=log, env={"OMP_NUM_THREADS": "1"})
+    worker.log = log
+    return worker
+
+
+@pytest.fixture(scope="module")
+def client(smollm2_gguf, tmp_path_factory, loop_thread):  # noqa: F811 - the imported fixture, by name
+    logs = tmp_path_factory.mktemp("tools-smollm2")
+    workers = []
+    try:
+        workers += [_worker("prefill", smollm2_gguf, logs), _worker("decode", smollm2_gguf, logs)]
+        config = RouterConfig(model=str(smollm2_gguf), served_model_name=NAME, http_port=0, grpc_port=0,
+                              prefill=(workers[0].grpc,), decode=(workers[1].grpc,), heartbeat_interval_s=0.3,
+                              tool_call_parser="hermes", enable_auto_tool_choice=True)
+
+        async def start():
+            router = await Router(config, Tokenizer.from_gguf(smollm2_gguf)).start()
+            await router.registry.wait_healthy("prefill", 1)
+            await router.registry.wait_healthy("decode", 1)
+            return router
+        router = loop_thread.run(start(), timeout_s=180)
+        yield openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="x", max_retries=0, timeout=300)
+        loop_thread.run(router.stop())
+    finally:
+        for worker in workers:
+            worker.stop(15)
+            worker.log.close()
+
+
+def test_two_turn_conversation_with_a_forced_call(client):
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the weather like in Paris today?"}]
+    first = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, TIME], max_tokens=80,
+                                           temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
+
+    messages.append(choice.message.model_dump(exclude_none=True))
+    messages.append({"role": "tool", "tool_call_id": call.id,
+                     "content": json.dumps({"city": arguments["city"], "temperature": 18, "unit": arguments["unit"],
+                                            "sky": "sunny"})})
+    second = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, TIME], max_tokens=60,
+                                            temperature=0, tool_choice="none")
+    answer = second.choices[0]
+    assert answer.finish_reason in ("stop", "length") and not answer.message.tool_calls
+    assert answer.message.content and answer.message.content.strip()
+    print("call:", call.function.arguments, "| answer:", answer.message.content)
+
+
+def test_required_choice_streamed_over_seeds(client):
+    """Sampled at temperature 1, one call at most (parallel_tool_calls=false) whose strings are
+    bounded by the schema, so 120 tokens always hold it: every answer is one valid call."""
+    names = []
+    for seed in range(3):
+        chunks = list(client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "What time is it in Tokyo, and is it raining there?"}],
+            tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=120,
+            temperature=1.0, seed=seed, stream=True))
+        calls: dict[int, dict] = {}
+        for chunk in chunks:
+            for delta in chunk.choices[0].delta.tool_calls or ():
+                call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and list(calls) == [0]
+        tool = {"get_weather": WEATHER, "get_time": TIME}[calls[0]["name"]]
+        jsonschema.validate(json.loads(calls[0]["arguments"]), tool["function"]["parameters"])
+        assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+        names.append(calls[0]["name"])
+    print("required calls:", names)
