@@ -351,17 +351,16 @@ static inline int context_valid(const seqs_t *seqs, const kv_cache_t *kv, int se
     return seq_len >= 0 && seq_len <= seqs->max_blocks_per_seq * kv->block_size;
 }
 
-/* Float32 views of the K (`which` 0) or V (1) rows of positions [start, start + n): pointers
- * into the cache when it is float32, else rows converted into buf (row j at buf + j * d). */
-static void tile_rows(const float **rows, float *restrict buf, const kv_cache_t *kv, int which,
-                      const int32_t *table, int32_t start, int n, int kv_head) {
+/* Element offsets of the K (`which` 0) or V (1) rows of positions [start, start + n) in their
+ * cache, each row prefetched. */
+static void tile_offsets(int64_t *restrict offsets, const kv_cache_t *kv, int which,
+                         const int32_t *table, int32_t start, int n, int kv_head) {
     const void *cache = which ? kv->v : kv->k;
     const int64_t block_stride = which ? kv->v_block_stride : kv->k_block_stride;
     const int64_t slot_stride = which ? kv->v_slot_stride : kv->k_slot_stride;
     const int64_t head_stride = which ? kv->v_head_stride : kv->k_head_stride;
     const int d = kv->head_dim;
     const int elem_bytes = kv->dtype == DTYPE_FLOAT32 ? 4 : 2;
-    int64_t offsets[KEY_TILE];
     /* position p is slot p % block_size of block block_table[p / block_size]; walk the slots
      * instead of dividing per row */
     int32_t block_index = start / kv->block_size, slot = start % kv->block_size;
@@ -377,6 +376,16 @@ static void tile_rows(const float **rows, float *restrict buf, const kv_cache_t 
         const char *bytes = (const char *)cache + offsets[j] * elem_bytes;
         for (int b = 0; b < d * elem_bytes; b += 64) __builtin_prefetch(bytes + b);
     }
+}
+
+/* Float32 views of the K (`which` 0) or V (1) rows of positions [start, start + n): pointers
+ * into the cache when it is float32, else rows converted into buf (row j at buf + j * d). */
+static void tile_rows(const float **rows, float *restrict buf, const kv_cache_t *kv, int which,
+                      const int32_t *table, int32_t start, int n, int kv_head) {
+    int64_t offsets[KEY_TILE];
+    tile_offsets(offsets, kv, which, table, start, n, kv_head);
+    const void *cache = which ? kv->v : kv->k;
+    const int d = kv->head_dim;
     for (int j = 0; j < n; j++) rows[j] = row_f32(cache, kv->dtype, offsets[j], d, buf + (int64_t)j * d);
 }
 
@@ -507,6 +516,155 @@ int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t 
     return status;
 }
 
+/* ------------------------------------------------------------ prefill, bfloat16 products */
+
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_BF16_DOT 1
+/* A bfloat16 prefill item's buffers: queries, the K tile as dimension pairs, the V tile as key
+ * pairs, the softmax weights in bfloat16. */
+typedef struct {
+    uint16_t *q;   /* [rows][d] */
+    uint32_t *kt;  /* [d / 2][KEY_TILE]: element (p, j) = dims 2p, 2p + 1 of key j */
+    uint16_t *vp;  /* [KEY_TILE / 2][d][2]: key pair m, dim i = (v[2m][i], v[2m + 1][i]) */
+    uint16_t *p;   /* [rows][KEY_TILE] */
+} bf16_scratch_t;
+
+static int bf16_scratch_alloc(bf16_scratch_t *b, int max_rows, int d) {
+    b->q = alloc_bytes(sizeof(uint16_t) * max_rows * d);
+    b->kt = alloc_bytes(sizeof(uint32_t) * (d / 2) * KEY_TILE);
+    b->vp = alloc_bytes(sizeof(uint16_t) * KEY_TILE * d);
+    b->p = alloc_bytes(sizeof(uint16_t) * max_rows * KEY_TILE);
+    if (!(b->q && b->kt && b->vp && b->p)) return 0;
+    /* columns and key pairs past a short last tile are multiplied by zero weights: keep them finite */
+    memset(b->kt, 0, sizeof(uint32_t) * (d / 2) * KEY_TILE);
+    memset(b->vp, 0, sizeof(uint16_t) * KEY_TILE * d);
+    return 1;
+}
+
+static void bf16_scratch_free(bf16_scratch_t *b) { free(b->q); free(b->kt); free(b->vp); free(b->p); }
+
+/* scores[r * KEY_TILE + j] = scale * q_r . k_j over the transposed tile, `rows` rows: each
+ * vdpbf16ps multiplies 16 keys by a pair of query dimensions, summing in float32. */
+static void tile_scores_bf16(float *restrict scores, const uint16_t *restrict q, const uint32_t *restrict kt,
+                             int rows, int d, float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    int r = 0;
+    for (; r < rows; r += 4) {
+        const int R = rows - r < 4 ? rows - r : 4;
+        __m512 acc[4][4];
+        for (int a = 0; a < 4; a++)
+            for (int c = 0; c < 4; c++) acc[a][c] = _mm512_setzero_ps();
+        const uint32_t *q32[4];
+        for (int a = 0; a < 4; a++) q32[a] = (const uint32_t *)(q + (int64_t)(r + (a < R ? a : 0)) * d);
+        for (int pi = 0; pi < d / 2; pi++) {
+            const uint32_t *col = kt + (int64_t)pi * KEY_TILE;
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(col), k1 = (__m512bh)_mm512_loadu_si512(col + 16);
+            const __m512bh k2 = (__m512bh)_mm512_loadu_si512(col + 32), k3 = (__m512bh)_mm512_loadu_si512(col + 48);
+            for (int a = 0; a < 4; a++) {
+                const __m512bh qa = (__m512bh)_mm512_set1_epi32((int)q32[a][pi]);
+                acc[a][0] = _mm512_dpbf16_ps(acc[a][0], k0, qa);
+                acc[a][1] = _mm512_dpbf16_ps(acc[a][1], k1, qa);
+                acc[a][2] = _mm512_dpbf16_ps(acc[a][2], k2, qa);
+                acc[a][3] = _mm512_dpbf16_ps(acc[a][3], k3, qa);
+            }
+        }
+        for (int a = 0; a < R; a++)
+            for (int c = 0; c < 4; c++)
+                _mm512_storeu_ps(scores + (r + a) * KEY_TILE + 16 * c, _mm512_mul_ps(acc[a][c], vscale));
+    }
+}
+
+/* The K rows of a tile, bfloat16 in the cache, transposed into dimension pairs. */
+static void transpose_keys_bf16(uint32_t *restrict kt, const uint16_t *cache, const int64_t *offsets, int n, int d) {
+    for (int j = 0; j < n; j++) {
+        const uint32_t *row = (const uint32_t *)(cache + offsets[j]);
+        for (int pi = 0; pi < d / 2; pi++) kt[(int64_t)pi * KEY_TILE + j] = row[pi];
+    }
+}
+
+/* The V rows of a tile, bfloat16 in the cache, interleaved in key pairs: for pair m and 16
+ * dimensions one vector (v[2m][i], v[2m + 1][i]) for i in those 16. An odd last key pairs with
+ * zeros. d is a multiple of 32. */
+static void pair_values_bf16(uint16_t *restrict vp, const uint16_t *cache, const int64_t *offsets, int n, int d) {
+    /* lane 2i takes element i of the first row, lane 2i + 1 element i of the second (+32) */
+    static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                        8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                        24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_loadu_si512(lo_idx), hi = _mm512_loadu_si512(hi_idx);
+    for (int m = 0; 2 * m < n; m++) {
+        const uint16_t *a = cache + offsets[2 * m];
+        const uint16_t *b = 2 * m + 1 < n ? cache + offsets[2 * m + 1] : NULL;
+        uint16_t *dst = vp + (int64_t)m * 2 * d;
+        for (int i = 0; i < d; i += 32) {
+            const __m512i va = _mm512_loadu_si512(a + i);
+            const __m512i vb = b ? _mm512_loadu_si512(b + i) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + 2 * i, _mm512_permutex2var_epi16(va, lo, vb));
+            _mm512_storeu_si512(dst + 2 * i + 32, _mm512_permutex2var_epi16(va, hi, vb));
+        }
+    }
+}
+
+/* acc_r = acc_r * alpha_r + sum_j p_r[j] v_j with the weights in bfloat16, key pairs at a time. */
+static inline __attribute__((always_inline)) void values_block_bf16(
+        float *restrict acc, const float *restrict alpha, const uint16_t *restrict p,
+        const uint16_t *restrict vp, int pairs, int d, int r, int c0, const int R, const int C) {
+    __m512 o[4][4];
+    for (int a = 0; a < R; a++)
+        for (int c = 0; c < C; c++)
+            o[a][c] = _mm512_mul_ps(_mm512_set1_ps(alpha[r + a]),
+                                    _mm512_loadu_ps(acc + (int64_t)(r + a) * d + c0 + 16 * c));
+    for (int m = 0; m < pairs; m++) {
+        __m512bh vm[4];
+        for (int c = 0; c < C; c++)
+            vm[c] = (__m512bh)_mm512_loadu_si512(vp + (int64_t)m * 2 * d + 2 * (c0 + 16 * c));
+        for (int a = 0; a < R; a++) {
+            const __m512bh pa = (__m512bh)_mm512_set1_epi32(((const int32_t *)(p + (r + a) * KEY_TILE))[m]);
+            for (int c = 0; c < C; c++) o[a][c] = _mm512_dpbf16_ps(o[a][c], vm[c], pa);
+        }
+    }
+    for (int a = 0; a < R; a++)
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(acc + (int64_t)(r + a) * d + c0 + 16 * c, o[a][c]);
+}
+
+static void tile_values_bf16(float *restrict acc, const float *restrict alpha, const float *restrict scores,
+                             uint16_t *restrict p, const uint16_t *restrict vp, int rows, int n, int d) {
+    for (int r = 0; r < rows; r++) {           /* weights to bfloat16, (p_2m, p_2m+1) adjacent */
+        const float *sr = scores + r * KEY_TILE;
+        __m512i *pr = (__m512i *)(p + r * KEY_TILE);
+        _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + 16), _mm512_loadu_ps(sr)));
+        _mm512_storeu_si512(pr + 1, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + 48), _mm512_loadu_ps(sr + 32)));
+    }
+    const int pairs = (n + 1) / 2;
+    /* columns past n are not weights (softmax_tile leaves them as they were): an odd tile's last
+     * pair reads column n, against the zero row, so it must be a real 0 */
+    if (n % 2)
+        for (int r = 0; r < rows; r++) p[r * KEY_TILE + n] = 0;
+    for (int r = 0; r < rows; r += 4) {
+        const int R = rows - r < 4 ? rows - r : 4;
+        for (int c0 = 0; c0 < d; c0 += 64) {
+            if (d - c0 >= 64) {
+                switch (R) {
+                case 4: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 4, 4); break;
+                case 3: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 3, 4); break;
+                case 2: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 2, 4); break;
+                default: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 1, 4); break;
+                }
+            } else {                            /* d % 64 == 32: the last 32 dimensions */
+                switch (R) {
+                case 4: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 4, 2); break;
+                case 3: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 3, 2); break;
+                case 2: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 2, 2); break;
+                default: values_block_bf16(acc, alpha, p, vp, pairs, d, r, c0, 1, 2); break;
+                }
+            }
+        }
+    }
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 /* ----------------------------------------------------------------------------- prefill */
 
 /* Index of the sequence whose items include `item`: first_item is ascending, first_item[0] = 0. */
@@ -555,11 +713,19 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
     }
     const int64_t num_items = first_item[num_seqs];
     int status = OK;
+    /* bfloat16 cache and queries: products in vdpbf16ps (weights rounded to bfloat16 for the
+     * values, as GPU flash attention does), about twice the float32 FMAs' rate */
+    const int use_bf16 = HAVE_BF16_DOT && kv->dtype == DTYPE_BFLOAT16 && qs->dtype == DTYPE_BFLOAT16 && d % 32 == 0;
 
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;
+#if HAVE_BF16_DOT
+        bf16_scratch_t b = {0};
+        const int ok = scratch_alloc(&s, max_rows, d, 1) && (!use_bf16 || bf16_scratch_alloc(&b, max_rows, d));
+#else
         const int ok = scratch_alloc(&s, max_rows, d, 1);
+#endif
         if (!ok) {
 #pragma omp atomic write
             status = ERR_NO_MEMORY;
@@ -580,7 +746,14 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
             const int rows = (t1 - t0) * group;
             const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
 
-            load_queries(s.q, s.row, qs, q_begin + t0, kv_head * group, group, rows, d, scale * LOG2E);
+#if HAVE_BF16_DOT
+            if (use_bf16)
+                for (int r = 0; r < rows; r++)
+                    memcpy(b.q + (int64_t)r * d, (const uint16_t *)qs->q + (q_begin + t0 + r / group) * qs->q_token_stride
+                           + (kv_head * group + r % group) * qs->q_head_stride, sizeof(uint16_t) * d);
+            else
+#endif
+                load_queries(s.q, s.row, qs, q_begin + t0, kv_head * group, group, rows, d, scale * LOG2E);
             reset_rows(&s, rows, d);
             const int32_t key_end = context + t1; /* the item's last query sees keys < key_end */
             for (int32_t k0 = 0; k0 < key_end; k0 += KEY_TILE) {
@@ -590,11 +763,23 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
                     status = ERR_BAD_BLOCK_ID;
                     break;
                 }
-                tile_rows(s.k_rows, s.k_buf, kv, 0, table, k0, n, kv_head);
-                for (int j = 0; j < n; j++)
-                    for (int i = 0; i < d; i++) s.kt[i * KEY_TILE + j] = s.k_rows[j][i];
-                tile_rows(s.v_rows, s.v_buf, kv, 1, table, k0, n, kv_head);
-                tile_scores_transposed(s.scores, s.q, s.kt, rows, d);
+#if HAVE_BF16_DOT
+                if (use_bf16) {
+                    int64_t k_offsets[KEY_TILE], v_offsets[KEY_TILE];
+                    tile_offsets(k_offsets, kv, 0, table, k0, n, kv_head);
+                    tile_offsets(v_offsets, kv, 1, table, k0, n, kv_head);
+                    transpose_keys_bf16(b.kt, kv->k, k_offsets, n, d);
+                    pair_values_bf16(b.vp, kv->v, v_offsets, n, d);
+                    tile_scores_bf16(s.scores, b.q, b.kt, rows, d, scale * LOG2E);
+                } else
+#endif
+                {
+                    tile_rows(s.k_rows, s.k_buf, kv, 0, table, k0, n, kv_head);
+                    for (int j = 0; j < n; j++)
+                        for (int i = 0; i < d; i++) s.kt[i * KEY_TILE + j] = s.k_rows[j][i];
+                    tile_rows(s.v_rows, s.v_buf, kv, 1, table, k0, n, kv_head);
+                    tile_scores_transposed(s.scores, s.q, s.kt, rows, d);
+                }
                 for (int r = 0; r < rows; r++) {
                     /* row r's query sits at context + t0 + r / group and sees keys up to there */
                     const int32_t last_key = context + t0 + r / group;
@@ -602,11 +787,19 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
                     s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, visible, n,
                                               &s.running_max[r], &s.running_sum[r]);
                 }
-                tile_values(s.acc, s.alpha, s.scores, s.v_rows, rows, n, d);
+#if HAVE_BF16_DOT
+                if (use_bf16)
+                    tile_values_bf16(s.acc, s.alpha, s.scores, b.p, b.vp, rows, n, d);
+                else
+#endif
+                    tile_values(s.acc, s.alpha, s.scores, s.v_rows, rows, n, d);
             }
             store_outputs(qs, s.acc, s.running_sum, q_begin + t0, kv_head * group, group, rows, d);
         }
         scratch_free(&s);
+#if HAVE_BF16_DOT
+        if (use_bf16) bf16_scratch_free(&b);
+#endif
     }
     free(first_item);
     return status;
