@@ -5,8 +5,10 @@
  * the GIL for the call). K/V are read where they lie in the paged pool: a cache is
  * [num_blocks, block_size, num_kv_heads, head_dim] with head_dim contiguous, and a sequence's
  * token at position p lives in block block_table[p / block_size] at offset p % block_size.
- * Query head h reads kv head h / (num_heads / num_kv_heads). Scores, softmax and accumulation
- * are float32; outputs have the query's dtype. Only slots inside a sequence's context are read,
+ * Query head h reads kv head h / (num_heads / num_kv_heads). Softmax and accumulation are
+ * float32; scores are float32 products too, except in bfloat16 prefill on CPUs with AVX512-BF16,
+ * where scores and values are vdpbf16ps products (bfloat16 pairs summed in float32, the softmax
+ * weights rounded to bfloat16 for the values). Outputs have the query's dtype. Only slots inside a sequence's context are read,
  * so the rest of the pool may hold anything.
  *
  * Both kernels walk a sequence's context in tiles of KEY_TILE tokens with an online softmax:
