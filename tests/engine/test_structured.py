@@ -161,3 +161,14 @@ def test_decode_side_resumes_after_the_prefill_token(llm):
     out = llm.generate([resumed + prefill.token_ids], _params(
         StructuredOutput("json_schema", schema, num_resumed_tokens=4), 0.0, max_tokens=len(ref.token_ids) - 4))[0]
     assert ref.token_ids[:4] + out.token_ids == ref.token_ids and out.finish_reason == "stop"
+
+
+def test_structured_params_round_trip_through_the_worker_proto():
+    from engine.serving.convert import sampling_from_proto, sampling_to_proto
+
+    params = SamplingParams(temperature=0.5, max_tokens=9,
+                            structured=StructuredOutput("choice", '["a", "b"]', num_resumed_tokens=2))
+    msg = sampling_to_proto(params)
+    assert (msg.grammar.kind, msg.grammar.spec, msg.grammar.num_resumed_tokens) == ("choice", '["a", "b"]', 2)
+    assert sampling_from_proto(msg) == params
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).structured is None
