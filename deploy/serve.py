@@ -32,7 +32,7 @@ from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dty
 from engine.hf_hub import is_hub_id
 from engine.serving.config import WorkerConfig
 from protos.auth import load_secret, new_secret
-from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig, add_public_api_args, public_api_flags
 
 logger = logging.getLogger(__name__)
 # WorkerConfig flags `serve` passes on to workers; the controller sets the others (host, ports).
@@ -78,6 +78,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
     p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
     p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
+    add_public_api_args(p)
     p.add_argument("--cpus-per-worker", type=float, default=0.1,
                    help="Ray CPU demand per worker rank on CPU-only clusters (default 0.1, so router + 2 "
                         "workers fit on 2 cores); GPU clusters reserve 1 GPU + 1 CPU per rank")
@@ -316,7 +317,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
     if not use_gpu and len(alive_nodes) == 1:
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
-                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy]
+                    "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
+                    *public_api_flags(args)]
     if is_hub_id(args.model) and not Path(args.model).exists():
         # The router runs on this node: it reads the snapshot check_model resolved (the last
         # --model wins) and answers to the id.

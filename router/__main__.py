@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, TOOL_CALL_PARSERS, RouterConfig
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, RouterConfig, add_public_api_args
 from router.server import Router
 
 
@@ -31,28 +31,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--api-key", default=os.environ.get("TANDEM_API_KEY", ""), help="or TANDEM_API_KEY")
     p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
     p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
-    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
-                   help="sub-requests (prompts x n) waiting for their first token before 429")
-    p.add_argument("--max-sub-requests", type=int, default=d.max_sub_requests,
-                   help="most prompts x n in one request (more is a 400)")
-    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
-                   help="most characters in a text prompt or in all chat messages together")
-    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
-                   help="largest HTTP request body (413 beyond it, before parsing)")
-    p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
-                   help="HTTP Host headers to answer (host or host:port; defends against DNS rebinding "
-                        "when no API key is set); empty = any")
+    add_public_api_args(p)
     p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     p.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     p.add_argument("--max-missed-heartbeats", type=int, default=d.max_missed_heartbeats)
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--failover-wait-s", type=float, default=d.failover_wait_s,
                    help="how long a failing-over request waits for a healthy worker of each role")
-    p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=("",) + TOOL_CALL_PARSERS,
-                   help="how the model writes tool calls: hermes (<tool_call> tags: Qwen, Hermes, SmolLM2) or "
-                        "llama3_json (Llama 3.x)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),

@@ -1,6 +1,7 @@
 """Router settings; ``python -m router`` flags map 1:1 onto the fields (runs in the router process)."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 
 PREFILL_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
@@ -69,3 +70,41 @@ class RouterConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+
+def add_public_api_args(p: argparse.ArgumentParser) -> None:
+    """The flags that shape what the public API accepts: request limits and tool calling. One
+    definition for `python -m router` and `tandem serve`, which forwards them (``public_api_flags``)."""
+    d = RouterConfig()
+    p.add_argument("--max-waiting", type=int, default=d.max_waiting,
+                   help="sub-requests (prompts x n) waiting for their first token before 429")
+    p.add_argument("--max-sub-requests", type=int, default=d.max_sub_requests,
+                   help="most prompts x n in one request (more is a 400)")
+    p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help="most characters in a text prompt or in all chat messages together")
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                   help="largest HTTP request body (413 beyond it, before parsing)")
+    p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
+                   help="HTTP Host headers to answer (host or host:port; defends against DNS rebinding "
+                        "when no API key is set); empty = any")
+    p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=("",) + TOOL_CALL_PARSERS,
+                   help="how the model writes tool calls: hermes (<tool_call> tags: Qwen, Hermes, SmolLM2) or "
+                        "llama3_json (Llama 3.x)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
+
+
+def public_api_flags(args: argparse.Namespace) -> list[str]:
+    """``add_public_api_args``'s flags whose values differ from the defaults, as arguments again."""
+    probe = argparse.ArgumentParser()
+    add_public_api_args(probe)
+    flags: list[str] = []
+    for action in probe._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        flags += [flag] if isinstance(value, bool) else [flag, str(value)]
+    return flags

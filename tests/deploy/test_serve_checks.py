@@ -102,3 +102,18 @@ def test_restart_policy_gives_up_on_config_errors_and_on_replicas_that_never_cam
     for i in range(CRASHLOOP_AFTER):
         record_failure(r, "killed while loading", now=float(i))
     assert r.state == "failed"
+
+
+def test_serve_forwards_the_public_api_flags_that_differ_from_the_defaults():
+    from router.__main__ import parse_args as router_args
+    from router.config import public_api_flags
+
+    assert public_api_flags(parse()) == []
+    given = ["--max-waiting", "7", "--max-sub-requests", "3", "--max-prompt-chars", "1000",
+             "--max-request-body-bytes", "4096", "--allowed-hosts", "api.example:8000",
+             "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+    flags = public_api_flags(parse(*given))
+    assert sorted(flags) == sorted(given)
+    config = router_args(["--model", "m", *flags])
+    assert (config.max_waiting, config.max_sub_requests, config.max_prompt_chars, config.max_request_body_bytes,
+            config.tool_call_parser, config.enable_auto_tool_choice) == (7, 3, 1000, 4096, "hermes", True)
