@@ -7,6 +7,7 @@ cloud; these tests run the same two steps, offline.
 from __future__ import annotations
 
 import importlib.util
+import re
 import shlex
 from pathlib import Path
 
@@ -63,13 +64,13 @@ def _check_head_serves_tandem(config: dict) -> None:
     head_commands = config["head_start_ray_commands"]
     ray_start = [i for i, cmd in enumerate(head_commands) if "ray start --head" in cmd]
     serve = [i for i, cmd in enumerate(head_commands) if (_tandem_argv(cmd) or [None])[0] == "serve"]
-    assert len(ray_start) == 1 and len(serve) == 1, head_commands
-    assert ray_start[0] < serve[0], head_commands
+    assert len(ray_start) == 1 and len(serve) == 1, f"want one 'ray start --head' and one 'tandem serve': {head_commands}"
+    assert ray_start[0] < serve[0], f"'tandem serve' before 'ray start --head': {head_commands}"
 
     args = build_parser().parse_args(_tandem_argv(head_commands[serve[0]]))
-    assert args.address == "auto", head_commands[serve[0]]
+    assert args.address == "auto", f"'tandem serve' without --address auto: {head_commands[serve[0]]}"
     # Without --detach `ray up` would wait on the server forever.
-    assert args.detach, head_commands[serve[0]]
+    assert args.detach, f"'tandem serve' without --detach: {head_commands[serve[0]]}"
 
 
 @pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
@@ -77,15 +78,17 @@ def test_the_head_starts_ray_then_serves_tandem(path):
     _check_head_serves_tandem(_ray_checked(_load(path)))
 
 
-@pytest.mark.parametrize("edit", [
-    pytest.param(lambda cmd: cmd.replace(" --detach", ""), id="no-detach"),
-    pytest.param(lambda cmd: cmd.replace("--address auto", "--address local"), id="own-cluster"),
-    pytest.param(lambda cmd: cmd.replace(" serve ", " status "), id="no-serve"),
+@pytest.mark.parametrize("edit, caught_by", [
+    pytest.param(lambda cmd: cmd.replace(" --detach", ""), "without --detach", id="no-detach"),
+    pytest.param(lambda cmd: cmd.replace("--address auto", "--address local"), "without --address auto",
+                 id="own-cluster"),
+    pytest.param(lambda cmd: cmd.replace(" serve ", " status "), "want one 'ray start --head' and one 'tandem serve'",
+                 id="no-serve"),
 ])
-def test_a_head_that_does_not_serve_tandem_is_caught(edit):
+def test_a_head_that_does_not_serve_tandem_is_caught(edit, caught_by):
     config = _ray_checked(_load(REPO_ROOT / "deploy/ray/cluster-local.yaml"))
     config["head_start_ray_commands"] = [edit(cmd) for cmd in config["head_start_ray_commands"]]
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError, match=re.escape(caught_by)):
         _check_head_serves_tandem(config)
 
 
@@ -109,20 +112,23 @@ def test_the_head_waits_for_every_node_the_config_asks_for(name, nodes):
     assert len(waits) == 1 and waits[0] < serve[0]
 
 
-@pytest.mark.parametrize("breakage, error", [
+@pytest.mark.parametrize("breakage, error, message", [
     # A misspelt section is not silently ignored.
     pytest.param(lambda c: c.update(setup_comands=c.pop("setup_commands")), jsonschema.ValidationError,
-                 id="misspelt-section"),
-    pytest.param(lambda c: c.update(max_workers="four"), jsonschema.ValidationError, id="wrong-type"),
-    pytest.param(lambda c: c["auth"].update(ssh_port=2222), jsonschema.ValidationError, id="unknown-auth-field"),
+                 "'setup_comands' was unexpected", id="misspelt-section"),
+    pytest.param(lambda c: c.update(max_workers="four"), jsonschema.ValidationError,
+                 "'four' is not of type 'integer'", id="wrong-type"),
+    pytest.param(lambda c: c["auth"].update(ssh_port=2222), jsonschema.ValidationError,
+                 "'ssh_port' was unexpected", id="unknown-auth-field"),
     pytest.param(lambda c: c.update(head_start_ray_commands="ray start --head"), jsonschema.ValidationError,
-                 id="commands-not-a-list"),
-    pytest.param(lambda c: c["provider"].update(type="nosuchcloud"), NotImplementedError, id="unknown-provider"),
+                 "'ray start --head' is not of type 'array'", id="commands-not-a-list"),
+    pytest.param(lambda c: c["provider"].update(type="nosuchcloud"), NotImplementedError,
+                 "Unsupported node provider: nosuchcloud", id="unknown-provider"),
 ])
-def test_a_broken_copy_is_rejected(breakage, error):
+def test_a_broken_copy_is_rejected(breakage, error, message):
     config = _load(REPO_ROOT / "deploy/ray/cluster-gpu.yaml")
     breakage(config)
-    with pytest.raises(error):
+    with pytest.raises(error, match=re.escape(message)):
         _ray_checked(config)
 
 

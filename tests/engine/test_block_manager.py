@@ -134,7 +134,7 @@ def test_freed_cached_blocks_are_evicted_lru_and_unmapped():
     assert allocator.match_prefix([1, 2, 3, 4, 5]) == [0]
     assert allocator.ref_count(0) == 1
     assert allocator.num_free_blocks == 0
-    with pytest.raises(NoFreeBlocksError):
+    with pytest.raises(NoFreeBlocksError, match="requested 1 blocks but only 0 are free"):
         allocator.allocate(1)
 
 

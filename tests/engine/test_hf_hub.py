@@ -49,7 +49,7 @@ def test_revision_picks_a_snapshot(hub_cache, revision, commit):
 
 
 def test_missing_id_offline_names_it(hub_cache):
-    with pytest.raises(HubModelError) as info:
+    with pytest.raises(HubModelError, match=r"model 'tiny-org/absent' \(revision 'main'\) is not in") as info:
         resolve_model("tiny-org/absent", download_dir=str(hub_cache))
     message = str(info.value)
     assert "'tiny-org/absent'" in message and "HF_HUB_OFFLINE" in message and str(hub_cache) in message
@@ -78,7 +78,7 @@ def test_sharded_snapshot_needs_every_shard(tmp_path, tiny_model_dir):
     (sharded / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}')
     write_hf_cache(tmp_path / "cache", REPO, sharded, MAIN)
-    with pytest.raises(HubModelError):
+    with pytest.raises(HubModelError, match="its snapshot there lacks config.json or weights"):
         resolve_model(REPO, download_dir=str(tmp_path / "cache"))
 
 

@@ -267,7 +267,7 @@ def test_unknown_llm_option(tiny_model_dir, make_llm):
 
 
 def test_kv_pool_smaller_than_max_model_len(tiny_model_dir, make_llm):
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match="less than one max_model_len=64 sequence") as info:
         make_llm(tiny_model_dir("llama"), max_model_len=64, num_gpu_blocks_override=3, block_size=16)
     message = str(info.value)
     assert "3 blocks x 16 tokens = 48 tokens" in message

@@ -126,7 +126,7 @@ def test_receiver_cancel_mid_transfer_stops_later_writes(pair):
     while not sender.is_cancelled("c") and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sender.is_cancelled("c")
-    with pytest.raises(TransferCancelled):
+    with pytest.raises(TransferCancelled, match="request_id=c was cancelled"):
         sender.write("c", [1, 2], [0, 1], [8, 9]).result(timeout=10)
     pair.land([0], [0, 1], [8, 9])
     pair.assert_pool()  # layers 1 and 2 of blocks 8, 9 are still poison
@@ -187,11 +187,15 @@ def test_layout_mismatch_is_refused_before_any_write(pair, layout):
 def test_sender_rejects_bad_arguments_without_writing(pair):
     sender = pair.sender()
     pair.receiver.expect("r", [1])
-    for args in [([3], [0], [1]), ([0], [0, 1], [1]), ([0], [SRC_BLOCKS], [1]), ([0], [0], [16]),
-                 ([], [0], [1]), ([0], [0, 1], [1, 1])]:
-        with pytest.raises(ValueError):
+    for args, message in [(([3], [0], [1]), "layers must be unique ids"),
+                          (([0], [0, 1], [1]), "need as many src as dst block ids"),
+                          (([0], [SRC_BLOCKS], [1]), "src_block_ids out of range"),
+                          (([0], [0], [16]), "dst_block_ids out of range"),
+                          (([], [0], [1]), "layers must be unique ids"),
+                          (([0], [0, 1], [1, 1]), "dst_block_ids must be unique")]:
+        with pytest.raises(ValueError, match=message):
             sender.write("r", *args)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="request_id must be a non-empty str"):
         sender.write("", [0], [0], [1])
     pair.assert_pool()
 

@@ -27,12 +27,12 @@ def test_ranks_round_trip_in_order():
     assert [RegionDescriptor.from_bytes(d).layout.tp_rank for d in kvtransfer.split_descriptors(blob)] == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("blob", [
-    msgpack.packb(["tp", [b"x"]]),                 # a set of one rank
-    msgpack.packb(["tp", [b"x", "not bytes"]]),
-    msgpack.packb(["tp", [b"x"] * 65]),            # more ranks than any replica has
-    b"\xc1",                                       # not msgpack
+@pytest.mark.parametrize("blob, message", [
+    (msgpack.packb(["tp", [b"x"]]), "bad_field: descriptor set"),            # a set of one rank
+    (msgpack.packb(["tp", [b"x", "not bytes"]]), "bad_field: descriptor set"),
+    (msgpack.packb(["tp", [b"x"] * 65]), "malformed: descriptor"),            # more ranks than any replica has
+    (b"\xc1", "malformed: descriptor"),                                       # not msgpack
 ])
-def test_bad_sets_are_refused(blob):
-    with pytest.raises(MessageError):
+def test_bad_sets_are_refused(blob, message):
+    with pytest.raises(MessageError, match=f"^{message}"):
         kvtransfer.split_descriptors(blob)

@@ -35,7 +35,7 @@ def test_close_stops_every_thread_and_is_idempotent(layout):
     assert _kv_threads() == before
     sender.close()
     receiver.close()
-    with pytest.raises(SenderClosed):
+    with pytest.raises(SenderClosed, match="sender closed"):
         sender.write("r2", [0], [0], [0])
 
 

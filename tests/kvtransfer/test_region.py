@@ -27,5 +27,5 @@ def test_create_map_remove(layout):
 
 
 def test_create_refuses_zero_blocks(layout):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
         create_shm_pool(layout, 0)

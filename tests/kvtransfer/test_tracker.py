@@ -35,7 +35,7 @@ def test_lifecycle_waiting_transferring_done():
     assert res.status is TransferStatus.DONE and res.blocks_freeable and res.payload.first_token_id == 5
     assert t.finished() == ["r"]
     assert t.release("r") == (3, 1)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="request_id='r' is not tracked"):
         t.result("r")
 
 
@@ -69,11 +69,11 @@ def test_check_write_rejections():
              ("r", (), (2,), "layer_out_of_range"), ("r", (0,), (8,), "out_of_range_block"),
              ("r", (0,), (4,), "block_not_in_request")]
     for rid, layers, blocks, reason in cases:
-        with pytest.raises(MessageError) as info:
+        with pytest.raises(MessageError, match=f"^{reason}: request_id={rid}") as info:
             t.check_write(b"p", rid, layers, blocks)
         assert info.value.reason == reason
     t.cancel("r", "x")
-    with pytest.raises(MessageError) as info:
+    with pytest.raises(MessageError, match="^inactive_request: request_id=r is cancelled") as info:
         t.check_write(b"p", "r", (0,), (2,))
     assert info.value.reason == "inactive_request"
 
@@ -140,5 +140,5 @@ def test_sender_cancel_frees_at_once():
     res = t.result("r")
     assert res.status is TransferStatus.CANCELLED and res.blocks_freeable
     assert res.reason == "cancelled by sender: aborted"
-    with pytest.raises(MessageError):
+    with pytest.raises(MessageError, match="^unknown_request: request_id=ghost"):
         t.cancelled_by_sender(b"p", "ghost", "x")

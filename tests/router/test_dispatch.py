@@ -110,7 +110,7 @@ def test_register_and_deregister_rpcs_change_membership(loop_thread, tokenizer):
                 admin = admin_stub(channel)
                 await admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="decode", address=extra.address))
                 await until(lambda: len(stub_call.healthy("decode")) == 2)
-                with pytest.raises(grpc.aio.AioRpcError) as bad:
+                with pytest.raises(grpc.aio.AioRpcError, match="role='judge': use one of") as bad:
                     await admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="judge", address="a:1"))
                 assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 found = await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=extra.address))

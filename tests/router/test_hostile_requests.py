@@ -8,6 +8,7 @@ KV blocks all return while bad requests are refused.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -141,8 +142,8 @@ def test_malformed_http_request_refused_before_still_gets_4xx_naming_the_field(c
     _check_http(cluster, path, body, status, param)
 
 
-def _grpc_error(call) -> grpc.RpcError:
-    with pytest.raises(grpc.RpcError) as info:
+def _grpc_error(call, match: str) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError, match=match) as info:
         list(call())
     return info.value
 
@@ -200,7 +201,7 @@ REGRESSION_GRPC = [c for c in GRPC_CASES if c[0] in REFUSED_BEFORE_GRPC]
 def _check_grpc(cluster, method, request_msg, code, field) -> None:
     with grpc.insecure_channel(cluster.router.grpc_address) as channel:
         stub = tandem_pb2_grpc.TandemStub(channel)
-        error = _grpc_error(lambda: getattr(stub, method)(request_msg, timeout=30))
+        error = _grpc_error(lambda: getattr(stub, method)(request_msg, timeout=30), re.escape(field))
     assert error.code() == code, error.details()
     assert field in error.details()
 
@@ -222,7 +223,7 @@ def test_grpc_prompt_that_is_not_utf8_is_invalid_argument(cluster):
     with grpc.insecure_channel(cluster.router.grpc_address) as channel:
         call = channel.unary_stream("/tandem.v1.Tandem/Generate", request_serializer=lambda b: b,
                                     response_deserializer=tandem_pb2.CompletionChunk.FromString)
-        error = _grpc_error(lambda: call(body, timeout=30))
+        error = _grpc_error(lambda: call(body, timeout=30), "the request is not a valid message")
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
 
 
@@ -369,11 +370,13 @@ def test_real_serve_refuses_hostile_requests_keeps_health_fast_and_frees_every_b
             assert error_of(post(dep.http, path, body), status)["param"] == param, (path, status)
         with grpc.insecure_channel(grpc_address) as channel:
             stub = tandem_pb2_grpc.TandemStub(channel)
-            error = _grpc_error(lambda: stub.Generate(_generate(sampling={"temperature": float("inf")}), timeout=30))
+            error = _grpc_error(lambda: stub.Generate(_generate(sampling={"temperature": float("inf")}), timeout=30),
+                                "temperature")
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.details()
             call = channel.unary_stream("/tandem.v1.Tandem/Generate", request_serializer=lambda b: b,
                                         response_deserializer=tandem_pb2.CompletionChunk.FromString)
-            assert _grpc_error(lambda: call(bytes([0x12, 1, 0xFF]), timeout=30)).code() == \
+            assert _grpc_error(lambda: call(bytes([0x12, 1, 0xFF]), timeout=30),
+                               "the request is not a valid message").code() == \
                 grpc.StatusCode.INVALID_ARGUMENT
 
         # Clients that leave mid-request: one non-streaming, one streaming.

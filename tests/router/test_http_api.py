@@ -123,7 +123,7 @@ def test_unknown_model_is_404_and_router_stays_healthy(fake_cluster, client):
     error = _assert_error(_post(fake_cluster.http, "/v1/completions", {"model": "gpt-9", "prompt": "x"}), 404,
                           "invalid_request_error", "gpt-9")
     assert error["code"] == "model_not_found"
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-9' does not exist"):
         client.chat.completions.create(model="gpt-9", messages=[{"role": "user", "content": "x"}])
     assert httpx.get(fake_cluster.http + "/health").status_code == 200
     assert client.completions.create(model=MODEL, prompt="still fine", max_tokens=2).usage.completion_tokens == 2
@@ -138,10 +138,10 @@ def test_api_key_guards_http_and_grpc(loop_thread, tokenizer):
                       "authentication_error")
         good = openai.OpenAI(base_url=cluster.http + "/v1", api_key="s3cret", max_retries=0)
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError, match="invalid API key"):
             openai.OpenAI(base_url=cluster.http + "/v1", api_key="bad", max_retries=0).models.list()
         from router.client import TandemClient, Unauthenticated
-        with TandemClient(cluster.router.grpc_address, api_key="bad") as sdk, pytest.raises(Unauthenticated):
+        with TandemClient(cluster.router.grpc_address, api_key="bad") as sdk, pytest.raises(Unauthenticated, match="invalid API key"):
             sdk.generate("x", max_tokens=2)
         with TandemClient(cluster.router.grpc_address, api_key="s3cret") as sdk:
             assert sdk.generate("x", max_tokens=2).usage.completion_tokens == 2

@@ -46,7 +46,7 @@ def test_a_request_failing_twice_for_the_same_reason_is_not_tried_on_more_worker
         for decode in cluster.decodes:
             decode.servicer.fail_after_tokens = 0   # every stream ends at once with the same error
         async with AsyncTandemClient(cluster.router.grpc_address) as client:
-            with pytest.raises(TandemError) as err:
+            with pytest.raises(TandemError, match="failed twice for the same reason") as err:
                 await client.generate([1, 2, 3], max_tokens=4)
         assert err.value.code == grpc.StatusCode.INTERNAL
         assert "failed twice for the same reason" in err.value.details

@@ -22,7 +22,7 @@ BAD = [("temperature", float("inf")), ("temperature", 1e300), ("repetition_penal
 def test_router_and_engine_refuse_the_same_values_with_the_same_message(field, value):
     with pytest.raises(ValueError, match=f"^{field} must") as engine_error:
         SamplingParams(**{field: value})
-    with pytest.raises(RouterError) as router_error:
+    with pytest.raises(RouterError, match=f"^{field} must") as router_error:
         prepare_sampling(tandem_pb2.Sampling(**{field: value}), 4, 256, 16)
     assert router_error.value.http_status == 400 and router_error.value.param == field
     # The proto field is float32: compare what both saw for the same stored value.

@@ -105,7 +105,7 @@ def test_cancel_while_decode_waits_for_kv(pair, reference):
     assert decode.stats().num_transferring == 0
     # The decode worker also told the prefill worker to forget the destination it sent.
     time.sleep(1.0)
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError, match="request_id='abort-transfer' is not known here") as err:
         prefill.prefill_stub.Abort(worker_pb2.AbortRequest(request_id="abort-transfer"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     check_fresh_request(prefill, decode, reference, "after-abort-transfer")
@@ -155,7 +155,7 @@ def test_explicit_decode_abort_ends_the_stream(pair, reference):
     assert 3 <= final.num_output_tokens == num_tokens < 200
     assert final.num_prompt_tokens == len(prompt)
     wait_idle(prefill, decode, timeout_s=FREED_WITHIN_S)
-    with pytest.raises(grpc.RpcError) as err:   # gone: a second abort finds nothing
+    with pytest.raises(grpc.RpcError, match="request_id='abort-decode' is not known here") as err:   # gone
         decode.decode_stub.Abort(worker_pb2.AbortRequest(request_id="abort-decode"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     check_fresh_request(prefill, decode, reference, "after-abort-decode")

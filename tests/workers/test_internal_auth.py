@@ -50,7 +50,7 @@ def test_worker_rpcs_without_the_cluster_secret_are_refused(spawn, tiny_dir, rol
     with grpc.insecure_channel(worker.grpc) as channel:
         for name, call in _calls(role, channel).items():
             for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (WRONG, grpc.StatusCode.PERMISSION_DENIED)):
-                with pytest.raises(grpc.RpcError) as err:
+                with pytest.raises(grpc.RpcError, match="cluster secret") as err:
                     call(metadata)
                 assert err.value.code() == code, f"{role} {name} with metadata {metadata}"
                 assert "cluster secret" in err.value.details()
@@ -69,7 +69,7 @@ def test_a_prefill_worker_with_the_secret_accepts_requests(spawn, tiny_dir):
 
 @pytest.mark.parametrize("env", [{SECRET_ENV: ""}, {SECRET_ENV: "short"}])
 def test_a_worker_without_a_usable_secret_does_not_start(tiny_dir, env):
-    with pytest.raises(WorkerStartError) as err:
+    with pytest.raises(WorkerStartError, match="exit code 2") as err:
         WorkerProcess("prefill", ["--model", str(tiny_dir), "--device", "cpu", "--port", "0"],
                       env={**env, SECRET_FILE_ENV: ""}, start_timeout_s=60, stderr_tail=20)
     assert "exit code 2" in str(err.value) and "cluster secret" in str(err.value)

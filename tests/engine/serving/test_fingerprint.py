@@ -16,10 +16,13 @@ def test_string_form_round_trips():
     assert Fingerprint.parse(text) == PRINT
 
 
-@pytest.mark.parametrize("text", ["", "proto=1", str(PRINT) + " extra=1", str(PRINT).replace("proto=1", "proto=x"),
-                                  str(PRINT) + " " + "x" * 2000])
-def test_parse_refuses_anything_else(text):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("text, message", [
+    ("", "not a Tandem model fingerprint"), ("proto=1", "not a Tandem model fingerprint"),
+    (str(PRINT) + " extra=1", "not a Tandem model fingerprint"),
+    (str(PRINT).replace("proto=1", "proto=x"), "not a Tandem model fingerprint"),
+    (str(PRINT) + " " + "x" * 2000, r"a fingerprint of 2129 characters \(at most 1024\)")])
+def test_parse_refuses_anything_else(text, message):
+    with pytest.raises(ValueError, match=message):
         Fingerprint.parse(text)
 
 
