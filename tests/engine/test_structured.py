@@ -73,7 +73,7 @@ def test_too_few_tokens_end_with_length_never_stop(llm):
     constraint = StructuredOutput("json_schema", json.dumps(PERSON))
     for out in llm.chat(_chats(PROMPTS), [_params(constraint, t, 5, max_tokens=6) for t in (0.0, 1.0, 0.0, 1.0)]):
         assert out.finish_reason == "length" and len(out.token_ids) == 6
-        with pytest.raises(ValueError):
+        with pytest.raises(json.JSONDecodeError, match=r"line \d+ column \d+"):
             json.loads(out.text)
 
 
@@ -92,10 +92,14 @@ def test_a_constraint_that_does_not_compile_is_refused_before_running(llm, kind,
     assert not llm.engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kind,spec", [("json_schema", "{not json"), ("json_schema", "[1]"), ("choice", "[]"),
-                                       ("choice", '["a", 3]'), ("regex", ""), ("json_object", "{}"), ("xml", "x")])
-def test_structured_output_checks_without_a_grammar_engine(kind, spec):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kind,spec,message", [
+    ("json_schema", "{not json", "the JSON schema is not valid JSON"),
+    ("json_schema", "[1]", "a JSON schema is an object or a boolean, not list"),
+    ("choice", "[]", "choice must be a non-empty list"), ("choice", '["a", 3]', "choice must be a non-empty list"),
+    ("regex", "", "the regex is empty"), ("json_object", "{}", "json_object takes no schema"),
+    ("xml", "x", "structured output kind 'xml' is not supported")])
+def test_structured_output_checks_without_a_grammar_engine(kind, spec, message):
+    with pytest.raises(ValueError, match=message):
         StructuredOutput(kind, spec)
 
 

@@ -5,6 +5,7 @@ streaming deltas equal to the non-streamed answer, tool_choice none / named, and
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -174,7 +175,7 @@ def test_required_without_parallel_calls_allows_one(client, decode, tokenizer):
 
 
 def test_forced_choice_and_response_format_together_are_400(client, decode):
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.BadRequestError, match="cannot be combined with response_format") as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
                                        tool_choice="required", response_format={"type": "json_object"})
     assert info.value.body["param"] == "tool_choice" and not decode.prompts
@@ -187,14 +188,16 @@ def test_parallel_tool_calls_false_keeps_the_first_call(client, decode, tokenize
     assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
 
 
-@pytest.mark.parametrize("kwargs,param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools"),
-    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice"),
+@pytest.mark.parametrize("kwargs,param,message", [
+    ({"tool_choice": "required"}, "tool_choice", 'tool_choice "required" needs tools'),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "function 'nope', which is not in tools"),
+    ({"tools": [WEATHER_TOOL, WEATHER_TOOL]}, "tools", "two tools are named 'get_weather'"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name",
+     "tools.0.function.name: String should have at least 1 character"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}, "tool_choice", "tool_choice: Input should be"),
 ])
-def test_bad_tool_requests_are_400(client, decode, kwargs, param):
-    with pytest.raises(openai.BadRequestError) as info:
+def test_bad_tool_requests_are_400(client, decode, kwargs, param, message):
+    with pytest.raises(openai.BadRequestError, match=re.escape(message)) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **kwargs)
     assert info.value.body["param"] == param and not decode.prompts

@@ -4,6 +4,7 @@ renders tools (compared with transformers' apply_chat_template)."""
 from __future__ import annotations
 
 import json
+import re
 
 import jsonschema
 import pytest
@@ -44,7 +45,7 @@ def test_choices_and_their_defaults():
     ({"parser": "", "auto": False}, "--enable-auto-tool-choice"),
 ])
 def test_requests_that_cannot_hold_are_400(kwargs, message):
-    with pytest.raises(RouterError) as info:
+    with pytest.raises(RouterError, match=re.escape(message)) as info:
         request(**kwargs)
     assert info.value.http_status == 400 and message in str(info.value)
 
@@ -70,7 +71,7 @@ def test_required_schema_accepts_what_forced_parser_reads():
     jsonschema.validate(good, schema)
     for bad in ([], [{"name": "get_weather", "parameters": {}}], [{"name": "nope", "parameters": {}}],
                 [{"name": "get_time", "parameters": {}, "extra": 1}]):
-        with pytest.raises(jsonschema.ValidationError):
+        with pytest.raises(jsonschema.ValidationError, match="Failed validating"):
             jsonschema.validate(bad, schema)
     parsed = ForcedParser(None).parse(json.dumps(good))
     assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"}),

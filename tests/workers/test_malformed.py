@@ -47,7 +47,7 @@ def pair(spawn_module, tiny_dir, reference):
 
 
 def expect_status(code: grpc.StatusCode, words: list[str], fn) -> None:
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError, match=f"status = {code}\n") as err:   # the call's str() names its status
         fn()
     assert err.value.code() == code, err.value
     for word in words:

@@ -53,7 +53,7 @@ def real_destination(decode, rogue: RoguePrefill, request_id: str):
 
 
 def expect_invalid(fn, *words: str) -> None:
-    with pytest.raises(grpc.RpcError) as err:
+    with pytest.raises(grpc.RpcError, match="status = StatusCode.INVALID_ARGUMENT\n") as err:
         fn()
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
     for word in words:
