@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         max_len = max(max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16,
                       args.prefill_len)
         engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device="cpu", max_model_len=max_len),
-                           CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32) * engine_kv_bytes_per_token(args.model, dtype),
+                           CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32)
+                                       * engine_kv_bytes_per_token(args.model, dtype),
                                        enable_prefix_caching=False, shared_memory=False),
                            SchedulerConfig(max_num_seqs=max(batches), chunked_prefill_size=args.chunked_prefill_size))
         nbytes = weight_nbytes(engine)

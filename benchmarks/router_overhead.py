@@ -61,10 +61,10 @@ class Forwarder(tandem_pb2_grpc.TandemServicer):
         self.num_requests += 1
         rid, prompt = f"fwd-{self.num_requests}", list(request.prompt_token_ids)
         sampling = worker_pb2.SamplingParams(max_tokens=request.sampling.max_tokens)
-        call = self.decode.Generate(worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                               prefill_address=self.addresses["prefill"]))
-        submit = self.prefill.Submit(worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                              decode_address=self.addresses["decode"]))
+        call = self.decode.Generate(worker_pb2.GenerateRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, prefill_address=self.addresses["prefill"]))
+        submit = self.prefill.Submit(worker_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_address=self.addresses["decode"]))
         async for response in call:
             chunk = tandem_pb2.CompletionChunk(request_id=rid, token_ids=response.token_ids)
             if response.finish_reason:
@@ -152,7 +152,8 @@ async def measure(args, addresses: dict, router_grpc: str, pids: dict[str, int])
             direct.append(await direct_once(decode, prefill, addresses, f"d-{i}", prompt, args.tokens))
             routed.append(await routed_once(client, prompt, args.tokens))
         ms = 1000.0
-        print(f"latency, concurrency 1, {args.tokens} tokens at {args.pace_ms} ms/token, {args.latency_requests} requests:")
+        print(f"latency, concurrency 1, {args.tokens} tokens at {args.pace_ms} ms/token, "
+              f"{args.latency_requests} requests:")
         print(f"  direct to workers  p50 {pct(direct, .5) * ms:7.3f} ms  p99 {pct(direct, .99) * ms:7.3f} ms")
         print(f"  through router     p50 {pct(routed, .5) * ms:7.3f} ms  p99 {pct(routed, .99) * ms:7.3f} ms")
         print(f"  added by router    p50 {(pct(routed, .5) - pct(direct, .5)) * ms:7.3f} ms  "

@@ -105,8 +105,10 @@ def print_table(tandem: dict[str, dict], vllm: dict[str, dict]) -> None:
         ratio = t["output_throughput"] / v["output_throughput"] if v["output_throughput"] else float("nan")
         print(f"{key:<26} {t['completed']:>5}/{t['failed']:<5} {v['completed']:>5}/{v['failed']:<5} "
               f"{t['output_throughput']:>8.1f} {v['output_throughput']:>8.1f} {ratio:>6.2f} "
-              f"{t['median_ttft_ms']:>8.0f}/{t['p99_ttft_ms']:<9.0f} {v['median_ttft_ms']:>8.0f}/{v['p99_ttft_ms']:<9.0f} "
-              f"{t['median_tpot_ms']:>6.1f}/{t['p99_tpot_ms']:<8.1f} {v['median_tpot_ms']:>6.1f}/{v['p99_tpot_ms']:<8.1f}")
+              f"{t['median_ttft_ms']:>8.0f}/{t['p99_ttft_ms']:<9.0f} "
+              f"{v['median_ttft_ms']:>8.0f}/{v['p99_ttft_ms']:<9.0f} "
+              f"{t['median_tpot_ms']:>6.1f}/{t['p99_tpot_ms']:<8.1f} "
+              f"{v['median_tpot_ms']:>6.1f}/{v['p99_tpot_ms']:<8.1f}")
 
 
 def main(argv: list[str] | None = None) -> int:

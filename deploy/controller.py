@@ -48,11 +48,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from deploy.launch import ROUTER_READY_PREFIX, ServiceProcess
+from deploy.launch import ServiceProcess
 from deploy.prometheus_sd import TargetFile, target_groups
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
 from protos.auth import SECRET_ENV, SecretStub
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc
+from router.config import READY_PREFIX as ROUTER_READY_PREFIX
 
 logger = logging.getLogger(__name__)
 
@@ -288,7 +289,8 @@ class Controller:
                     "failures": r.failures,
                     "num_running": seen.num_running if seen else 0, "num_waiting": seen.num_waiting if seen else 0,
                     "num_inflight": seen.num_inflight if seen else 0,
-                    "num_requests": seen.num_requests if seen else 0, "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,
+                    "num_requests": seen.num_requests if seen else 0,
+                    "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,
                     "restarts": r.restarts, "error": r.last_error or None})
             return {"model": self.spec.model, "router": dict(self.router), "desired": dict(self.desired),
                     "started_ray": self.spec.started_ray, "workers": workers}

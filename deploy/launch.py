@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.serving.process import READY_PREFIX
-from router.config import READY_PREFIX as ROUTER_READY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")

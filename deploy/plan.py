@@ -11,8 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from engine.config import resolve_chunked_prefill_size
 from engine.capacity import capacity_lines
+from engine.config import resolve_chunked_prefill_size
 from engine.models.arch import ArchConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -209,13 +209,15 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
     need = num_workers * (plan.weight_bytes_per_gpu + kv)
     available = _mem_available()
     if available is not None and need > available:
-        raise ServeError(f"{num_workers} worker processes need {need / 2**30:.1f} GiB ({plan.weight_bytes_per_gpu / 2**30:.2f} "
-                         f"GiB weights + {kv / 2**30:.2f} GiB KV pool each) but this machine has "
+        raise ServeError(f"{num_workers} worker processes need {need / 2**30:.1f} GiB "
+                         f"({plan.weight_bytes_per_gpu / 2**30:.2f} GiB weights + {kv / 2**30:.2f} GiB KV pool each) "
+                         f"but this machine has "
                          f"{available / 2**30:.1f} GiB available: use fewer replicas (--prefill/--decode), "
                          f"--dtype bfloat16, or a smaller --kv-cache-memory")
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
     if args.shared_memory and shm is not None and num_workers * kv > shm:
-        raise ServeError(f"{num_workers} KV pools of {kv / 2**30:.2f} GiB need {num_workers * kv / 2**30:.1f} GiB of /dev/shm, "
+        raise ServeError(f"{num_workers} KV pools of {kv / 2**30:.2f} GiB need "
+                         f"{num_workers * kv / 2**30:.1f} GiB of /dev/shm, "
                          f"which has {shm / 2**30:.1f} GiB free: lower --kv-cache-memory or enlarge /dev/shm")
 
 
@@ -264,7 +266,8 @@ def _controller():
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
-        raise ServeError("no Tandem deployment is running on this Ray cluster (start one with `tandem serve`)") from None
+        raise ServeError("no Tandem deployment is running on this Ray cluster "
+                         "(start one with `tandem serve`)") from None
 
 
 def internal_host(num_nodes: int) -> str:

@@ -18,7 +18,8 @@ _HELP = {
              "from the local HF cache, else downloaded once per node; HF_HUB_OFFLINE, HF_TOKEN apply)",
     "revision": "branch, tag or commit of a Hugging Face id",
     "download_dir": "HF cache directory for Hugging Face ids (default: HF_HUB_CACHE)",
-    "dtype": "weights/activations dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 (avx512_bf16/amx_bf16), float32 on other CPUs)",
+    "dtype": "weights/activations dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
+             "(avx512_bf16/amx_bf16), float32 on other CPUs)",
     "device": "cpu, cuda or auto",
     "max_model_len": "longest prompt + output accepted (default: the model's context length)",
     "attention_backend": "auto (triton on CUDA; on CPU: cpu, or torch when its C kernels cannot be "

@@ -50,8 +50,9 @@ class TPGroup:
         timeout = timedelta(seconds=timeout_s)
         listener = _listen(config.dist_host, config.dist_port) if self.rank == 0 else None
         try:
+            listen_fd = None if listener is None else listener.fileno()
             self.store = dist.TCPStore(config.dist_host, config.dist_port, self.size, is_master=self.rank == 0,
-                                       timeout=timeout, master_listen_fd=None if listener is None else listener.fileno())
+                                       timeout=timeout, master_listen_fd=listen_fd)
         except BaseException:
             if listener is not None:
                 listener.close()

@@ -73,7 +73,8 @@ def snapshot_path(repo_id: str, revision: str | None = None, download_dir: str |
     if offline():
         raise HubModelError(
             f"model {repo_id!r} (revision {revision!r}) is not in the Hugging Face cache {cache} (or its "
-            f"snapshot there lacks config.json or weights) and HF_HUB_OFFLINE is set, so it cannot be downloaded: fetch it where the hub is reachable "
+            f"snapshot there lacks config.json or weights) and HF_HUB_OFFLINE is set, so it cannot be "
+            f"downloaded: fetch it where the hub is reachable "
             f"(`hf download {repo_id}`), point HF_HUB_CACHE or --download-dir at a cache that holds it, "
             f"or unset HF_HUB_OFFLINE")
     with _repo_lock(cache, repo_id):
@@ -102,8 +103,13 @@ def _cached(repo_id: str, revision: str, cache: Path) -> Path | None:
 
 def _download(repo_id: str, revision: str, cache: Path) -> Path:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         path = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache,

@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.config import (DEFAULT_MODEL, CacheConfig, ModelConfig, ParallelConfig, SamplingParams,
-                           SchedulerConfig)
+from engine.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.model_source import load_arch, resolve_model
 from engine.models.llama import check_tensor_parallel

@@ -19,8 +19,7 @@ from .fake import FakeFabric, FakeSender
 from .layout import KVLayout, LayoutMismatchError
 from .messages import MessageError, NotifyPayload
 from .receiver import Receiver, ReceiverCore
-from .region import (POOL_NAME, check_pool_path, create_shm_pool, is_pool_path, map_shm_pool, pool_name,
-                     remove_shm_pool)
+from .region import POOL_NAME, check_pool_path, create_shm_pool, is_pool_path, map_shm_pool, pool_name, remove_shm_pool
 from .sender import Sender, SenderClosed, TransferCancelled, ZmqSender
 from .server import CurveKeys, ZmqServer
 from .tracker import TransferResult, TransferStatus

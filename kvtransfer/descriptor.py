@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .layout import KVLayout, MAX_DIM
+from .layout import MAX_DIM, KVLayout
 from .messages import MessageError
 
 TRANSPORTS = ("shm", "tcp", "cuda-ipc", "fake")

@@ -18,8 +18,18 @@ import torch
 from .blockcopy import copy_blocks
 from .descriptor import RegionDescriptor
 from .layout import KVLayout, flat_bytes
-from .messages import (Cancel, CancelAck, Heartbeat, Message, MessageError, Notify, NotifyPayload, WriteDone,
-                       decode, encode)
+from .messages import (
+    Cancel,
+    CancelAck,
+    Heartbeat,
+    Message,
+    MessageError,
+    Notify,
+    NotifyPayload,
+    WriteDone,
+    decode,
+    encode,
+)
 from .receiver import ReceiverCore
 from .sender import Sender, SenderClosed, TransferCancelled
 

@@ -17,11 +17,10 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 import torch
 
-from .descriptor import ONE_SIDED, RegionDescriptor
 from .blockcopy import runs
+from .descriptor import ONE_SIDED, RegionDescriptor
 from .layout import KVLayout, flat_bytes
-from .messages import (Cancel, CancelAck, Heartbeat, Message, MessageError, Notify, WriteDone,
-                       WritePayload, decode)
+from .messages import Cancel, CancelAck, Heartbeat, Message, MessageError, Notify, WriteDone, WritePayload, decode
 from .tracker import RequestTable, TransferResult, TransferStatus
 
 logger = logging.getLogger(__name__)

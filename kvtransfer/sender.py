@@ -21,8 +21,19 @@ import zmq
 
 from .descriptor import RegionDescriptor
 from .layout import KVLayout
-from .messages import (MAX_BLOCK_IDS, MAX_HEARTBEAT_IDS, MAX_REQUEST_ID_LEN, Cancel, CancelAck,
-                       Heartbeat, MessageError, Notify, NotifyPayload, decode, encode)
+from .messages import (
+    MAX_BLOCK_IDS,
+    MAX_HEARTBEAT_IDS,
+    MAX_REQUEST_ID_LEN,
+    Cancel,
+    CancelAck,
+    Heartbeat,
+    MessageError,
+    Notify,
+    NotifyPayload,
+    decode,
+    encode,
+)
 from .server import CurveKeys
 
 logger = logging.getLogger(__name__)

@@ -1,10 +1,11 @@
 """tcp backend: KV blocks as raw ZeroMQ frames to a receiver on any host (sender process).
 
 A write goes out as messages of a few layers each (about ``MESSAGE_NBYTES``): a msgpack
-``WritePayload`` header, then one frame per (layer, K|V) holding the blocks in dst order. Frames are sent zero-copy (``copy=False``): straight
-from the pool when the source blocks are one consecutive run, otherwise from a staging buffer
-that is reused only after ZeroMQ reports it has finished with it. The receiver validates the
-header and every frame size before scattering the frames into its pool (``ReceiverCore``).
+``WritePayload`` header, then one frame per (layer, K|V) holding the blocks in dst order. Frames
+are sent zero-copy (``copy=False``): straight from the pool when the source blocks are one
+consecutive run, otherwise from a staging buffer that is reused only after ZeroMQ reports it has
+finished with it. The receiver validates the header and every frame size before scattering the
+frames into its pool (``ReceiverCore``).
 SNDHWM/RCVHWM bound the queues, so a slow receiver pushes back on the sender.
 """
 from __future__ import annotations

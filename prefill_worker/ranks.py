@@ -35,8 +35,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import kvtransfer
 import torch
+
+import kvtransfer
 from engine.tp_role import RoleHandler
 
 logger = logging.getLogger(__name__)

@@ -248,7 +248,8 @@ class Dispatcher:
         # is cancelled, but that takes a hop and the request may not have reached D yet.
         for worker in (attempt.prefill, attempt.decode):
             if not worker.removed:
-                self._spawn(self._abort(worker, attempt.request_id, attempt.submit if worker is attempt.prefill else None))
+                submit = attempt.submit if worker is attempt.prefill else None
+                self._spawn(self._abort(worker, attempt.request_id, submit))
 
     async def _abort(self, worker: WorkerState, request_id: str, submit: asyncio.Task | None) -> None:
         if submit is not None and not submit.done():

@@ -39,7 +39,8 @@ def model_not_found(model: str, served: str) -> RouterError:
 
 def overloaded(num_waiting: int, max_waiting: int, num_new: int = 1) -> RouterError:
     return RouterError(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       f"too many requests waiting ({num_waiting} waiting + {num_new} new > max_waiting={max_waiting}); "
+                       f"too many requests waiting ({num_waiting} waiting + {num_new} new > "
+                       f"max_waiting={max_waiting}); "
                        "retry later", "rate_limit_error", code="queue_full", retry_after_s=1)
 
 

@@ -25,7 +25,6 @@ import uuid
 from collections.abc import AsyncIterator
 
 import orjson
-
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse

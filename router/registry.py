@@ -8,8 +8,9 @@ log, never dead. A worker is removed only when it is gone: its connection is ref
 HTTP/2 keepalive pings go unanswered (a vanished host, a frozen process), or it reports its
 engine thread dead (all UNAVAILABLE) -- on ``max_missed`` heartbeats in a row, or on one
 probe after a request broke on it. Listeners (the dispatcher) hear about a removal and fail its
-requests over. A joining worker is never removed, so the router may start before its workers. ``drain`` (scale-down) stops routing new requests to a
-worker while its in-flight ones finish; the controller removes it once ``num_inflight`` is 0.
+requests over. A joining worker is never removed, so the router may start before its workers.
+``drain`` (scale-down) stops routing new requests to a worker while its in-flight ones finish; the
+controller removes it once ``num_inflight`` is 0.
 
 Every call to a worker carries the deployment's cluster secret (protos/auth.py). A worker that
 refuses it, or whose Stats answer shows another model than the router's, is not routable: it

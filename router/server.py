@@ -61,7 +61,8 @@ class Router:
         self.registry = WorkerRegistry(c.heartbeat_interval_s, c.heartbeat_timeout_s, c.max_missed_heartbeats,
                                        secret=self._secret, model=c.model)
         self.dispatcher = Dispatcher(self.registry, make_policy(c.prefill_policy), make_policy(c.decode_policy),
-                                     c.max_attempts, c.rpc_timeout_s, on_failover=lambda _: self.metrics.failovers.inc(),
+                                     c.max_attempts, c.rpc_timeout_s,
+                                     on_failover=lambda _: self.metrics.failovers.inc(),
                                      failover_wait_s=c.failover_wait_s)
         self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
         self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c)
@@ -77,12 +78,14 @@ class Router:
 
     async def _start_grpc(self) -> None:
         c = self.config
-        interceptors = [SecretInterceptor(self._secret, [ADMIN_SERVICE_NAME], missing=grpc.StatusCode.PERMISSION_DENIED)]
+        interceptors = [SecretInterceptor(self._secret, [ADMIN_SERVICE_NAME],
+                                          missing=grpc.StatusCode.PERMISSION_DENIED)]
         if c.api_key:
             interceptors.append(ApiKeyInterceptor(c.api_key))
         interceptors.append(DecodeErrorInterceptor())
         server = self._grpc = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.frontend), server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.registry), server)
         health_servicer = health.aio.HealthServicer()

@@ -44,7 +44,8 @@ class ToolRequest:
         if isinstance(tool_choice, dict):
             name = tool_choice["function"]["name"]
             if name not in names:
-                raise errors.invalid_request(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+                raise errors.invalid_request(f"tool_choice names function {name!r}, which is not in tools",
+                                             "tool_choice")
             choice, function_name = "function", name
         else:
             choice, function_name = tool_choice or ("auto" if tools else "none"), None
@@ -83,7 +84,8 @@ class ToolRequest:
         if not self.forced:
             return
         if sampling.HasField("structured_outputs"):
-            raise errors.invalid_request(f"tool_choice {self.choice if self.choice != 'function' else 'naming a function'}"
+            named = self.choice if self.choice != 'function' else 'naming a function'
+            raise errors.invalid_request(f"tool_choice {named}"
                                          " constrains the output; it cannot be combined with response_format or "
                                          "structured outputs", "tool_choice")
         sampling.structured_outputs.json_schema = json.dumps(self.forced_schema())
@@ -160,7 +162,8 @@ def describe_tools(messages: list[dict], tools: tuple[dict, ...] | None, parser_
     for message in messages:
         role = message["role"]
         if role == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{message.get('content') or ''}\n</tool_response>"})
+            content = message.get("content") or ""
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         elif role == "assistant" and message.get("tool_calls"):
             separator = "; " if parser_name == "llama3_json" else "\n"
             calls = separator.join(_call_as_text(c, parser_name) for c in message["tool_calls"])

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install Tandem into it. `--test` adds the test dependencies.
+# Create .venv and install Tandem into it. `--test` adds the test dependencies (pytest, and ruff and
+# mypy for .ci/run's lint and type checks: the [test] extra in pyproject.toml).
 # On machines without an NVIDIA GPU torch is pinned to 2.13.0 (the CPU wheel): an unpinned
 # torch pulls gigabytes of CUDA packages.
 set -euo pipefail

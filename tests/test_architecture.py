@@ -9,7 +9,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy")
-ROUTER_MAY_USE = ("engine.tokenizer", "engine.config", "engine.serving.fingerprint")   # torch-free (the last test below)
+# torch-free (the last test below)
+ROUTER_MAY_USE = ("engine.tokenizer", "engine.config", "engine.serving.fingerprint")
 # package -> top-level modules it must never import
 BANNED = {
     "engine": {"router", "prefill_worker", "decode_worker", "deploy", "kvtransfer"},

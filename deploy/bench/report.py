@@ -70,9 +70,12 @@ def compare(path_a: str | Path, path_b: str | Path) -> str:
     a, b = read_summary(path_a), read_summary(path_b)
     keys = [k for k in a if k in b] + [k for k in b if k not in a]
     lines = [f"{'metric':<28}{'A':>14}{'B':>14}{'B/A':>9}", f"{'':<28}{str(path_a)[-13:]:>14}{str(path_b)[-13:]:>14}"]
+
+    def fmt(v: object) -> str:
+        return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
     for key in keys:
         va, vb = a.get(key), b.get(key)
         r = ratio(va, vb)
-        fmt = lambda v: "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
         lines.append(f"{key:<28}{fmt(va):>14}{fmt(vb):>14}{'n/a' if r is None else f'{r:.3f}':>9}")
     return "\n".join(lines)

@@ -143,8 +143,8 @@ def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: 
                                "TANDEM_CACHE_DIR to a writable directory") from e
     try:
         try:
-            proc = subprocess.run([*shlex.split(cc), *cflags, f"-I{CSRC}", "-o", tmp, str(source_path)], capture_output=True,
-                                  text=True, timeout=COMPILE_TIMEOUT_S)
+            proc = subprocess.run([*shlex.split(cc), *cflags, f"-I{CSRC}", "-o", tmp, str(source_path)],
+                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as e:
             raise KernelBuildError(f"cannot run the C compiler CC={cc!r}: {e}") from e
         if proc.returncode != 0:

@@ -14,10 +14,18 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.models.arch import ArchConfig
 from engine.models import cpu_ops
-from engine.models.layers import (GatedMLP, PackedLinear, RMSNorm, RopeInputs, RotaryEmbedding, TensorParallel,
-                                  apply_rotary, pack_linears)
+from engine.models.arch import ArchConfig
+from engine.models.layers import (
+    GatedMLP,
+    PackedLinear,
+    RMSNorm,
+    RopeInputs,
+    RotaryEmbedding,
+    TensorParallel,
+    apply_rotary,
+    pack_linears,
+)
 
 # HF parameter name suffix -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),

@@ -22,7 +22,8 @@ async def start_server(host: str, port: int, register: Sequence[Callable[[grpc.a
     """Serve ``register``'s services on ``host:port`` (0 picks one), each call checked for ``secret``."""
     # Clients (the router) send HTTP/2 keepalive pings every 10 s to tell a frozen or vanished
     # worker from a busy one; answer them instead of closing the connection for "too many pings".
-    server = grpc.aio.server(interceptors=[SecretInterceptor(secret, service_names)], options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    server = grpc.aio.server(interceptors=[SecretInterceptor(secret, service_names)],
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.keepalive_permit_without_calls", 1),
                                       ("grpc.http2.min_ping_interval_without_data_ms", 5_000)])

@@ -117,8 +117,8 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
     metrics_port = parts.metrics.serve(worker.host, worker.metrics_port) if worker.metrics_port >= 0 else None
     parts.loop.start()
     try:
-        server, port, health_servicer = await start_server(worker.host, worker.port, parts.register, parts.service_names,
-                                                           worker.cluster_secret)
+        server, port, health_servicer = await start_server(worker.host, worker.port, parts.register,
+                                                           parts.service_names, worker.cluster_secret)
     except OSError as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         parts.loop.stop()

@@ -49,7 +49,8 @@ class PrivateSshd:
         self.client_key = root / "client_key"
         self.user = getpass.getuser()
         self.port = free_port()
-        self.proxy_command = f"{shlex.quote(sys.executable)} {shlex.quote(str(Path(__file__).resolve()))} %h {self.port}"
+        script = shlex.quote(str(Path(__file__).resolve()))
+        self.proxy_command = f"{shlex.quote(sys.executable)} {script} %h {self.port}"
         self._log = root / "sshd.log"
         self._make_keys_and_config()
         with open(self._log, "wb") as log:  # sshd -e: its log goes to stderr

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.deploy.test_serve_e2e import interrupt, start_serve, wait_for
+
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 

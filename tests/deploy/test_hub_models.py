@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main as tandem_main
+
 # Session fixtures that build the tiny HF checkpoints (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 from tests.engine.hub_fixtures import FakeHub, commit_of, write_hf_cache

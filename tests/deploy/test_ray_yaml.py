@@ -64,7 +64,8 @@ def _check_head_serves_tandem(config: dict) -> None:
     head_commands = config["head_start_ray_commands"]
     ray_start = [i for i, cmd in enumerate(head_commands) if "ray start --head" in cmd]
     serve = [i for i, cmd in enumerate(head_commands) if (_tandem_argv(cmd) or [None])[0] == "serve"]
-    assert len(ray_start) == 1 and len(serve) == 1, f"want one 'ray start --head' and one 'tandem serve': {head_commands}"
+    assert len(ray_start) == 1 and len(serve) == 1, \
+        f"want one 'ray start --head' and one 'tandem serve': {head_commands}"
     assert ray_start[0] < serve[0], f"'tandem serve' before 'ray start --head': {head_commands}"
 
     args = build_parser().parse_args(_tandem_argv(head_commands[serve[0]]))

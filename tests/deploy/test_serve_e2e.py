@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from deploy.launch import REPO_ROOT
+
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 

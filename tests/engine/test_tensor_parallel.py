@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.cli_args import config_to_args, config_from_args
+from engine.cli_args import config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 from engine.distributed import Leader, TPGroup, free_local_port
 from tests.engine.conftest import random_prompt

@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtransfer.blockcopy import (MAX_SLICE_RUNS, copy_blocks, copy_blocks_numpy,
-                                  copy_blocks_torch, pair_runs, runs)
+from kvtransfer.blockcopy import MAX_SLICE_RUNS, copy_blocks, copy_blocks_numpy, copy_blocks_torch, pair_runs, runs
 from kvtransfer.layout import flat_bytes
 from tests.kvtransfer.conftest import random_pool, u8
 

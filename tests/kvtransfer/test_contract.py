@@ -10,9 +10,8 @@ import time
 import pytest
 import torch
 
-from kvtransfer import (KVLayout, LayoutMismatchError, NotifyPayload, TransferCancelled,
-                        TransferStatus, create_sender)
-from tests.kvtransfer.conftest import (CONTRACT_BACKENDS, REPO_ROOT, SRC_BLOCKS, make_pair, random_pool, u8)
+from kvtransfer import KVLayout, LayoutMismatchError, NotifyPayload, TransferCancelled, TransferStatus, create_sender
+from tests.kvtransfer.conftest import CONTRACT_BACKENDS, REPO_ROOT, SRC_BLOCKS, make_pair, random_pool, u8
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,8 +7,15 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer import (CurveKeys, NotifyPayload, TransferStatus, create_receiver, create_sender, create_shm_pool,
-                        remove_shm_pool)
+from kvtransfer import (
+    CurveKeys,
+    NotifyPayload,
+    TransferStatus,
+    create_receiver,
+    create_sender,
+    create_shm_pool,
+    remove_shm_pool,
+)
 from protos.auth import new_secret
 from tests.kvtransfer.conftest import random_pool
 

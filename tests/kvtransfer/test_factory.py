@@ -6,8 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from kvtransfer import (FakeFabric, create_receiver, create_sender, create_shm_pool,
-                        remove_shm_pool, select_backend)
+from kvtransfer import FakeFabric, create_receiver, create_sender, create_shm_pool, remove_shm_pool, select_backend
 from tests.kvtransfer.conftest import random_pool
 
 

@@ -5,7 +5,6 @@ it expects (blocks 2, 3, 5; layers 0 and 1 of 3), and must still accept a valid 
 """
 from __future__ import annotations
 
-
 import msgpack
 import torch
 import zmq

@@ -8,8 +8,16 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer import (CurveKeys, KVLayout, NotifyPayload, RegionDescriptor, SenderClosed,
-                        TransferStatus, create_receiver, create_sender)
+from kvtransfer import (
+    CurveKeys,
+    KVLayout,
+    NotifyPayload,
+    RegionDescriptor,
+    SenderClosed,
+    TransferStatus,
+    create_receiver,
+    create_sender,
+)
 from kvtransfer.descriptor import local_host_id
 from tests.kvtransfer.conftest import random_pool
 

@@ -7,9 +7,20 @@ import pytest
 
 from kvtransfer.descriptor import CudaIpcHandle, RegionDescriptor
 from kvtransfer.layout import KVLayout
-from kvtransfer.messages import (MAX_BLOCK_IDS, MAX_HEADER_BYTES, Cancel, CancelAck, Heartbeat,
-                                 MessageError, Notify, NotifyPayload, WriteDone, WritePayload,
-                                 decode, encode)
+from kvtransfer.messages import (
+    MAX_BLOCK_IDS,
+    MAX_HEADER_BYTES,
+    Cancel,
+    CancelAck,
+    Heartbeat,
+    MessageError,
+    Notify,
+    NotifyPayload,
+    WriteDone,
+    WritePayload,
+    decode,
+    encode,
+)
 
 MESSAGES = [
     WritePayload("req-1", (0, 2), (5, 6, 2**63 - 1)),

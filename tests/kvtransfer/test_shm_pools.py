@@ -11,8 +11,17 @@ import torch
 
 from engine.kv_cache import KVLayout as EngineLayout
 from engine.kv_cache import KVPool
-from kvtransfer import (POOL_NAME, KVLayout, RegionDescriptor, create_receiver, create_sender, create_shm_pool,
-                        map_shm_pool, pool_name, remove_shm_pool)
+from kvtransfer import (
+    POOL_NAME,
+    KVLayout,
+    RegionDescriptor,
+    create_receiver,
+    create_sender,
+    create_shm_pool,
+    map_shm_pool,
+    pool_name,
+    remove_shm_pool,
+)
 from kvtransfer.region import SHM_DIR
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")

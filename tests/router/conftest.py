@@ -15,8 +15,8 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
-from tests.router.fake_workers import FakeWorker
 from router.server import Router
+from tests.router.fake_workers import FakeWorker
 
 MODEL = "smollm2-135m-instruct"
 

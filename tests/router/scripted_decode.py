@@ -2,8 +2,8 @@
 
 ``ScriptedDecode`` streams the tokens of the next scripted reply, a few per message, then
 finishes with ``stop`` (or ``length`` if max_tokens cuts it), and records every prompt and sampling it got
-so a test can read what the chat template produced and how the output was constrained. Used in place of FakeDecode's token formula
-where the router must read the text (tool calls, tests/router/test_tool_calling.py).
+so a test can read what the chat template produced and how the output was constrained. Used in place of
+FakeDecode's token formula where the router must read the text (tool calls, tests/router/test_tool_calling.py).
 """
 from __future__ import annotations
 

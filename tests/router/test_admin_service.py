@@ -7,8 +7,8 @@ import pytest
 
 from protos.auth import METADATA_KEY, SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2
-from tests.router.fake_workers import FakeWorker
 from tests.router.conftest import start_fake_cluster, stop_fake_cluster
+from tests.router.fake_workers import FakeWorker
 
 API_KEY = "tenant-key"
 
@@ -55,7 +55,8 @@ def test_admin_calls_without_the_cluster_secret_are_permission_denied(loop_threa
         known = cluster.decodes[0].address
         calls = [admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="decode", address=extra.address),
                                       metadata=metadata),
-                 admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=known, drain=True), metadata=metadata),
+                 admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=known, drain=True),
+                                        metadata=metadata),
                  admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=known), metadata=metadata)]
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError, match="(missing|wrong) cluster secret") as err:

@@ -40,7 +40,7 @@ def _start(role: str, model, log_dir, hold_at: int | None) -> ServiceProcess:
 
 
 @pytest.mark.parametrize("slow_role", ["prefill", "decode"])
-def test_a_worker_held_in_a_10_s_step_is_not_removed_and_no_request_fails(slow_role, tiny_model_dir,
+def test_a_worker_held_in_a_10_s_step_is_not_removed_and_no_request_fails(slow_role, tiny_model_dir,  # noqa: F811
                                                                           tmp_path, loop_thread):
     model = tiny_model_dir("llama")
     # The decode worker holds a step once its streams are running; the prefill worker holds its
@@ -70,7 +70,8 @@ def test_a_worker_held_in_a_10_s_step_is_not_removed_and_no_request_fails(slow_r
             def one(i: int) -> None:
                 try:
                     stream = client.completions.create(model="tiny", prompt=f"Request {i} says", max_tokens=24,
-                                                       temperature=0, stream=True, stream_options={"include_usage": True},
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True},
                                                        extra_body={"ignore_eos": True})
                     for chunk in stream:
                         if chunk.usage:

@@ -12,9 +12,9 @@ from protos.auth import SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc, worker_pb2
 from router.client import AsyncTandemClient
 from router.config import RouterConfig
-from tests.router.fake_workers import FakeDecode, FakeWorker, fake_completion
 from router.server import Router
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.fake_workers import FakeDecode, FakeWorker, fake_completion
 
 
 def admin_stub(channel) -> SecretStub:

@@ -22,6 +22,7 @@ from router.client import TandemClient
 from router.config import RouterConfig
 from router.policies.round_robin import RoundRobin
 from router.server import Router
+
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 
@@ -50,7 +51,7 @@ class WorkerProcess(Launched):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory, loop_thread):
+def cluster(tiny_model_dir, tmp_path_factory, loop_thread):  # noqa: F811 - the imported fixture, by name
     model = tiny_model_dir("llama")
     logs = tmp_path_factory.mktemp("router-e2e")
     workers = {"prefill": [], "decode": []}
@@ -150,8 +151,8 @@ def _generated_tokens(decoders: list[WorkerProcess]) -> float:
         total = 0.0
         for w in decoders:
             text = httpx.get(f"http://{w.metrics}/metrics", timeout=10).text
-            total += float(next(l for l in text.splitlines()
-                                if l.startswith("tandem_generation_tokens_total{")).split()[-1])
+            total += float(next(row for row in text.splitlines()
+                                if row.startswith("tandem_generation_tokens_total{")).split()[-1])
         return total
     last = read()
     while True:

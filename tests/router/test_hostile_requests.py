@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
-from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.conftest import start_fake_cluster, stop_fake_cluster
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 VOCAB = 49152
@@ -60,8 +61,9 @@ HTTP_CASES = [
     ("surrogate-in-chat-content", CHAT, {"messages": [{"role": "user", "content": "x\ud83d"}]}, 400,
      "messages.0.content"),
     ("surrogate-in-chat-role", CHAT, {"messages": [{"role": "\udc00", "content": "x"}]}, 400, "messages.0.role"),
-    ("surrogate-in-content-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     400, "messages.0.content.0.text"),
+    ("surrogate-in-content-part", CHAT,
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, 400,
+     "messages.0.content.0.text"),
     ("surrogate-in-stop", C, {"prompt": "hi", "stop": ["ok", "\ud800"]}, 400, "stop.1"),
     ("surrogate-in-request-id", C, {"prompt": "hi", "request_id": "r\ud800"}, 400, "request_id"),
     ("surrogate-in-model", C, {"prompt": "hi", "model": "\ud800"}, 400, "model"),
@@ -280,7 +282,8 @@ def test_host_header_outside_the_allow_list_is_refused_and_health_stays_open(loo
         error = error_of(post(cluster.http, C, body, {"host": "evil.example.com"}), 400)
         assert error["code"] == "host_not_allowed" and error["param"] is None
         assert error_of(httpx.get(cluster.http + "/metrics", headers={"host": "evil.example.com"}), 400)
-        assert error_of(post(cluster.http, C, body, {"host": "api.example.com:9999"}), 400)["code"] == "host_not_allowed"
+        wrong_port = post(cluster.http, C, body, {"host": "api.example.com:9999"})
+        assert error_of(wrong_port, 400)["code"] == "host_not_allowed"
         for host in ("localhost", "LOCALHOST:1234", "api.example.com:8000"):
             assert post(cluster.http, C, body, {"host": host}).status_code == 200, host
         assert httpx.get(cluster.http + "/health", headers={"host": "evil.example.com"}).status_code == 200

@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from router.config import RouterConfig
-from tests.router.fake_workers import fake_completion
 from router.server import Router
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.fake_workers import fake_completion
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,8 @@ def _assert_error(response: httpx.Response, status: int, error_type: str, *fragm
 
 
 @pytest.mark.parametrize("path,body,fragments,param", [
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 300}, ["256", "300", "301", "1 in the prompt"], "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 300}, ["256", "300", "301", "1 in the prompt"],
+     "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -1}, ["temperature"], "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, ["max_tokens"], "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, ["vocabulary"], "prompt"),
@@ -141,7 +142,8 @@ def test_api_key_guards_http_and_grpc(loop_thread, tokenizer):
         with pytest.raises(openai.AuthenticationError, match="invalid API key"):
             openai.OpenAI(base_url=cluster.http + "/v1", api_key="bad", max_retries=0).models.list()
         from router.client import TandemClient, Unauthenticated
-        with TandemClient(cluster.router.grpc_address, api_key="bad") as sdk, pytest.raises(Unauthenticated, match="invalid API key"):
+        with TandemClient(cluster.router.grpc_address, api_key="bad") as sdk, \
+                pytest.raises(Unauthenticated, match="invalid API key"):
             sdk.generate("x", max_tokens=2)
         with TandemClient(cluster.router.grpc_address, api_key="s3cret") as sdk:
             assert sdk.generate("x", max_tokens=2).usage.completion_tokens == 2

@@ -11,8 +11,8 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from router.errors import RouterError
-from router.tool_choice import AnswerReader, ToolRequest, describe_tools, prompt_inputs
 from router.tool_calls import ForcedParser
+from router.tool_choice import AnswerReader, ToolRequest, describe_tools, prompt_inputs
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -125,7 +125,8 @@ def test_tools_reach_a_tool_template_as_transformers_passes_them(tokenizer):
     assert tool_tokenizer.template_takes_tools and not tokenizer.template_takes_tools
     messages, tools = prompt_inputs(CONVERSATION, request(), True, "hermes")
     assert tools == [WEATHER, CLOCK]
-    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}   # an object, as HF templates expect
+    # The arguments are an object, as HF templates expect.
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     ours = tool_tokenizer.apply_chat_template(messages, tools=tools)
     hf = _hf(tool_tokenizer)
     theirs = hf.apply_chat_template(messages, tools=tools, chat_template=TOOL_TEMPLATE, tokenize=False,

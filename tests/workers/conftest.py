@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
+
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import (random_prompt, smollm2_gguf, smollm2_tokenizer,  # noqa: F401
-                                   tiny_model_dir, tokenizer_files)
+from tests.engine.conftest import random_prompt, smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 from tests.workers.harness import Worker
 
 BLOCK_SIZE = 16

@@ -70,7 +70,8 @@ class RoguePrefill:
         pool = torch.zeros(layout.pool_shape(max(dest.block_ids) + 1), dtype=layout.torch_dtype)
         # The session's cluster secret (tests/conftest.py), so the sender speaks CurveZMQ where the
         # workers do; kvtransfer takes it once CurveZMQ is on by default.
-        options = {"secret": load_secret()} if "secret" in inspect.signature(kvtransfer.create_sender).parameters else {}
+        takes_secret = "secret" in inspect.signature(kvtransfer.create_sender).parameters
+        options = {"secret": load_secret()} if takes_secret else {}
         sender = kvtransfer.create_sender(dest.descriptor, pool, layout, backend, heartbeat_s=0.2, **options)
         self._senders.append(sender)
         return sender, dest

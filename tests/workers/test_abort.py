@@ -16,8 +16,7 @@ import pytest
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
 from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import (collect, generate, greedy, open_generate, submit, wait_idle,
-                                   wait_until)
+from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until
 
 LEASE_S = 30          # the backstop; every test here must free blocks far sooner
 FREED_WITHIN_S = 5.0
@@ -38,7 +37,7 @@ def counter_total(worker, name: str) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10).read().decode()
-    line = next(l for l in text.splitlines() if l.startswith(name + "{"))
+    line = next(row for row in text.splitlines() if row.startswith(name + "{"))
     return float(line.split()[-1])
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.launch import WorkerProcess, WorkerStartError

@@ -17,8 +17,7 @@ import torch
 from engine.attention import cpu_backend, cpu_kernels, torch_backend
 from engine.config import ModelConfig
 from engine.model_runner import attention_backend
-from tests.engine.attention.paged import (gather_context, make_paged_kv, naive_attention,
-                                          rel_err)
+from tests.engine.attention.paged import gather_context, make_paged_kv, naive_attention, rel_err
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-3}
 DTYPES = [torch.float32, torch.bfloat16]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.serving.fingerprint import (SAMPLE_NBYTES, Fingerprint, ModelIdentity, check_peer, weights_digest)
+from engine.serving.fingerprint import SAMPLE_NBYTES, Fingerprint, ModelIdentity, check_peer, weights_digest
 
 IDENTITY = ModelIdentity(1, "LlamaForCausalLM", "00112233445566aa", "ffeeddccbbaa9988", "model.gguf")
 PRINT = Fingerprint(IDENTITY, "float32", "2x2x16/16", "0/1")
