@@ -51,23 +51,25 @@ class TPGroup:
         listener = _listen(config.dist_host, config.dist_port) if self.rank == 0 else None
         try:
             listen_fd = None if listener is None else listener.fileno()
-            self.store = dist.TCPStore(config.dist_host, config.dist_port, self.size, is_master=self.rank == 0,
-                                       timeout=timeout, master_listen_fd=listen_fd)
+            self.store: dist.TCPStore | None = dist.TCPStore(
+                config.dist_host, config.dist_port, self.size, is_master=self.rank == 0, timeout=timeout,
+                master_listen_fd=listen_fd)
         except BaseException:
             if listener is not None:
                 listener.close()
             raise
         if listener is not None:
             listener.detach()   # the store owns the descriptor now and closes it when it goes
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = timeout
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=config.dist_host)]
-        self.cpu_group = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), self.rank, self.size, opts)
+        # Any: torch's stubs of these C++-bound groups lack allreduce/broadcast.
+        self.cpu_group: Any = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", self.store), self.rank, self.size, opts)
         if device.type == "cuda":
             torch.cuda.set_device(device)   # NCCL binds this rank's communicator to its GPU
             nccl_opts = dist.ProcessGroupNCCL.Options()
             nccl_opts._timeout = timeout
-            self.device_group = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), self.rank,
+            self.device_group: Any = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", self.store), self.rank,
                                                       self.size, nccl_opts)
         else:
             self.device_group = self.cpu_group
@@ -91,7 +93,7 @@ class TPGroup:
             return []
         tensor = torch.tensor(values, dtype=torch.int64)
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
+        opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]  # RedOpType in the stubs
         self.cpu_group.allreduce([tensor], opts).wait()
         return tensor.tolist()
 

@@ -128,7 +128,7 @@ class GGUFFile:
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         try:
             self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
-            reader = _HeaderReader(memoryview(self._buf))
+            reader = _HeaderReader(memoryview(self._buf))  # type: ignore[arg-type]  # a memmap is a buffer
             self.metadata, num_tensors = reader.metadata()
             infos = reader.tensor_infos(num_tensors)
             self.tensors = self._locate_tensors(infos, reader.pos)

@@ -33,7 +33,8 @@ class RequestOutput:
 def _split_kwargs(kwargs: dict[str, Any]) -> tuple[dict, dict, dict, dict]:
     groups: tuple[dict, dict, dict, dict] = ({}, {}, {}, {})
     for key, value in kwargs.items():
-        for group, cls in zip(groups, (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)):
+        configs: tuple[type[Any], ...] = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+        for group, cls in zip(groups, configs):
             if key in cls.__dataclass_fields__:
                 group[key] = value
                 break
@@ -88,7 +89,7 @@ class LLM:
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+            prompts = [prompts]
         token_lists = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(token_lists, sampling_params)
 

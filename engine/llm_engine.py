@@ -194,6 +194,7 @@ class LLMEngine:
             off_grammar = seq.grammar is not None and not seq.grammar.accept(token)
             out = StepOutput(seq.request_id, [token])
             if seq.params.logprobs is not None:
+                assert sampled.logprobs is not None and sampled.top_logprobs is not None   # asked for by this row
                 entry = {token: sampled.logprobs[i]}
                 entry.update(sampled.top_logprobs[i])
                 seq.logprobs.append(entry)
@@ -202,7 +203,7 @@ class LLMEngine:
             if off_grammar:
                 # Cannot happen while the mask holds; a broken output must never end as "stop".
                 logger.error("request_id=%s: sampled token %d does not follow its %s", seq.request_id, token,
-                             seq.params.structured.kind)
+                             seq.params.structured.kind if seq.params.structured else "grammar")
                 reason = "abort"
             if reason is not None:
                 self.scheduler.finish(seq, reason, keep_blocks=self.keep_finished_blocks)

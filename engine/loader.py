@@ -48,9 +48,12 @@ class Checkpoint:
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Llama 3.1 GGUFs store their rope scaling as per-frequency divisors."""
-        for tensor in self.gguf.tensors if self.gguf is not None else ():
+        gguf = self.gguf
+        if gguf is None:
+            return None
+        for tensor in gguf.tensors:
             if tensor.name == "rope_freqs.weight":
-                return torch.from_numpy(self.gguf.dequantize(tensor))
+                return torch.from_numpy(gguf.dequantize(tensor))
         return None
 
 

@@ -176,6 +176,7 @@ class ModelRunner:
 
     @property
     def num_blocks(self) -> int:
+        assert self.kv_pool is not None, "the KV pool is allocated in __init__"
         return self.kv_pool.num_blocks
 
     def _load_model(self, checkpoint: Checkpoint, backend: ModuleType, tp: TensorParallel) -> LlamaForCausalLM:

@@ -176,7 +176,8 @@ class Sampler:
             logits = logits.float()
         constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
         if constrained:
-            logits = _mask_by_grammar(logits, constrained, [requests[i].grammar for i in constrained])
+            grammars = [g for i in constrained if (g := requests[i].grammar) is not None]
+            logits = _mask_by_grammar(logits, constrained, grammars)
         params = [r.params for r in requests]
         wants_logprobs = any(p.logprobs is not None for p in params)
 
@@ -241,6 +242,7 @@ class Sampler:
         generator = self._shared_generators.get(device)
         if generator is None:
             generator = make_generator(self._seed, device)
+            assert generator is not None   # the shared seed is an int
             self._shared_generators[device] = generator
         return generator
 
@@ -275,11 +277,11 @@ def _raw_logprobs(
     top_logprobs: list[list[tuple[int, float]]] = [[] for _ in params]
     rows = [i for i, p in enumerate(params) if p.logprobs]
     if rows:
-        max_k = max(params[i].logprobs for i in rows)
+        max_k = max(params[i].logprobs or 0 for i in rows)
         # A stable sort rather than topk: ties come out lower token id first, every time.
         values, ids = logprobs[rows].sort(dim=-1, descending=True, stable=True)
-        values, ids = values[:, :max_k].tolist(), ids[:, :max_k].tolist()
+        top_values, top_ids = values[:, :max_k].tolist(), ids[:, :max_k].tolist()
         for j, i in enumerate(rows):
             k = params[i].logprobs
-            top_logprobs[i] = list(zip(ids[j][:k], values[j][:k]))
+            top_logprobs[i] = list(zip(top_ids[j][:k], top_values[j][:k]))
     return sampled, top_logprobs

@@ -16,6 +16,7 @@ import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import jinja2
 import jinja2.meta
@@ -78,7 +79,7 @@ _BYTE_LEVEL_PRE = {
 }
 
 
-def _byte_level_bpe(meta: Mapping[str, object]) -> tokenizers.Tokenizer:
+def _byte_level_bpe(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _BYTE_LEVEL_PRE:
         raise ValueError(f"unsupported tokenizer.ggml.pre {pre!r} for a gpt2 tokenizer; "
@@ -99,7 +100,7 @@ def _sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> lis
     """The BPE merges a SentencePiece vocabulary implies: split every piece into two known
     pieces and rank the merge by the merged piece's score (the conversion HF uses)."""
     vocab = {token: index for index, token in enumerate(tokens)}
-    ranked = []
+    ranked: list[tuple[float, str, str]] = []
     for piece, score in zip(tokens, scores):
         local = [(piece[:i], piece[i:]) for i in range(1, len(piece))
                  if piece[:i] in vocab and piece[i:] in vocab]
@@ -110,7 +111,7 @@ def _sentencepiece_merges(tokens: Sequence[str], scores: Sequence[float]) -> lis
     return [(left, right) for _, left, right in ranked]
 
 
-def _sentencepiece_bpe(meta: Mapping[str, object]) -> tokenizers.Tokenizer:
+def _sentencepiece_bpe(meta: Mapping[str, Any]) -> tokenizers.Tokenizer:
     tokens = _require(meta, "tokenizer.ggml.tokens")
     vocab = {token: index for index, token in enumerate(tokens)}
     if "tokenizer.ggml.merges" in meta:
@@ -131,7 +132,7 @@ def _sentencepiece_bpe(meta: Mapping[str, object]) -> tokenizers.Tokenizer:
 _GGUF_BUILDERS = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
 
 
-def _register_gguf_added_tokens(backend: tokenizers.Tokenizer, meta: Mapping[str, object]) -> None:
+def _register_gguf_added_tokens(backend: tokenizers.Tokenizer, meta: Mapping[str, Any]) -> None:
     """Control tokens become special added tokens, so chat markers encode whole and are skipped
     on decode; user-defined ones (``<think>``) encode whole but stay visible, as in llama.cpp."""
     tokens = meta["tokenizer.ggml.tokens"]
@@ -150,13 +151,13 @@ def _register_gguf_added_tokens(backend: tokenizers.Tokenizer, meta: Mapping[str
 
 
 def _parse_merges(merges: Iterable[str]) -> list[tuple[str, str]]:
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    if any(len(pair) != 2 for pair in pairs):
+    split = [merge.split(" ", 1) for merge in merges]
+    if any(len(pair) != 2 for pair in split):
         raise ValueError("tokenizer.ggml.merges holds an entry that is not 'left right'")
-    return pairs
+    return [(left, right) for left, right in split]
 
 
-def _require(meta: Mapping[str, object], key: str):
+def _require(meta: Mapping[str, Any], key: str):
     if key not in meta:
         raise ValueError(f"GGUF metadata has no {key}")
     return meta[key]
@@ -194,7 +195,7 @@ def _int_ids(value: object) -> list[int]:
     return []
 
 
-def _hf_chat_template(root: Path, config: Mapping[str, object]) -> str | None:
+def _hf_chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
     # Newer checkpoints keep the template in its own file, which then wins over the config.
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
@@ -208,7 +209,7 @@ def _hf_chat_template(root: Path, config: Mapping[str, object]) -> str | None:
     return template
 
 
-def _register_hf_added_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, object],
+def _register_hf_added_tokens(backend: tokenizers.Tokenizer, config: Mapping[str, Any],
                               source: Path) -> None:
     """Adds tokens from tokenizer_config.json's added_tokens_decoder that tokenizer.json lacks."""
     for id_text, spec in (config.get("added_tokens_decoder") or {}).items():
@@ -276,8 +277,8 @@ class Tokenizer:
         self._eos_token = self.id_to_token(eos_token_id) if eos_token_id is not None else None
         self._template = _compile_chat_template(chat_template, source) if chat_template else None
         # Whether the template renders a ``tools`` list; the router describes tools itself otherwise.
-        self.template_takes_tools: bool = bool(chat_template) and "tools" in jinja2.meta.find_undeclared_variables(
-            ImmutableSandboxedEnvironment().parse(chat_template))
+        self.template_takes_tools: bool = chat_template is not None and "tools" in (
+            jinja2.meta.find_undeclared_variables(ImmutableSandboxedEnvironment().parse(chat_template)))
         logger.debug("tokenizer from %s: %d tokens, bos=%s, eos=%s, chat template: %s", source,
                      self.vocab_size, bos_token_id, sorted(self.eos_token_ids), chat_template is not None)
 
@@ -367,6 +368,7 @@ class Tokenizer:
         else:
             ids = self._backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token:
+            assert self.bos_token_id is not None   # add_bos_token implies it
             return [self.bos_token_id, *ids]
         return ids
 
@@ -394,7 +396,8 @@ class Tokenizer:
                     tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat; BOS is not doubled when the template writes it."""
         text = self.apply_chat_template(messages, add_generation_prompt, tools)
-        template_has_bos = bool(self._bos_token) and text.startswith(self._bos_token)
+        bos = self._bos_token or ""
+        template_has_bos = bool(bos) and text.startswith(bos)
         return self.encode(text, add_special_tokens=not template_has_bos)
 
 

@@ -33,6 +33,7 @@ class Follower:
     def run(self) -> None:
         """Serve rank 0 until it sends STOP; raises when rank 0 is gone or silent too long."""
         group = self.runner.group
+        assert group is not None   # checked in __init__
         while True:
             kind, body = group.receive()
             if kind == PING:

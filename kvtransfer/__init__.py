@@ -18,9 +18,9 @@ from .descriptor import CudaIpcHandle, RegionDescriptor, join_descriptors, local
 from .fake import FakeFabric, FakeSender
 from .layout import KVLayout, LayoutMismatchError
 from .messages import MessageError, NotifyPayload
-from .receiver import Receiver, ReceiverCore
+from .receiver import Receiver, ReceiverCore, Transport
 from .region import POOL_NAME, check_pool_path, create_shm_pool, is_pool_path, map_shm_pool, pool_name, remove_shm_pool
-from .sender import Sender, SenderClosed, TransferCancelled, ZmqSender
+from .sender import Sender, SenderClosed, TransferCancelled, Writer, ZmqSender
 from .server import CurveKeys, ZmqServer
 from .tracker import TransferResult, TransferStatus
 
@@ -55,6 +55,7 @@ def create_receiver(pool: torch.Tensor, layout: KVLayout, backend: str = "auto",
         if fabric is None:
             raise ValueError("backend='fake' needs a FakeFabric (fabric=...)")
         core = ReceiverCore(pool, layout, transports)
+        transport: Transport
         region_id, transport = fabric.register(core)
         address = f"fake://{region_id}"
     else:
@@ -125,6 +126,7 @@ def create_sender(descriptor: RegionDescriptor | bytes, src_pool: torch.Tensor,
         if fabric is None:
             raise ValueError("backend='fake' needs the receiver's FakeFabric (fabric=...)")
         return FakeSender(descriptor, src_pool, layout, fabric)
+    writer: type[Writer]
     if backend == "shm":
         from .shm import ShmWriter as writer
     elif backend == "tcp":

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,13 +64,15 @@ class _Child:
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtransfer.bench", "--child", *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self._stdin, self._stdout = self.proc.stdin, self.proc.stdout
 
     def send(self, line: str) -> None:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
+        self._stdin.write(line + "\n")
+        self._stdin.flush()
 
     def expect(self, word: str) -> None:
-        line = self.proc.stdout.readline().strip()
+        line = self._stdout.readline().strip()
         if line != word:
             raise RuntimeError(f"bench child said {line!r}, expected {word!r}")
 
@@ -214,8 +217,8 @@ def run_child(argv: list[str]) -> None:
         frame_nbytes = int(words[1])
         for layer in range(LAYOUT.num_layers):
             off = 2 * layer * frame_nbytes
-            sock.send_multipart([buf[off:off + frame_nbytes],
-                                 buf[off + frame_nbytes:off + 2 * frame_nbytes]], copy=False)
+            frames: list[Any] = [buf[off:off + frame_nbytes], buf[off + frame_nbytes:off + 2 * frame_nbytes]]
+            sock.send_multipart(frames, copy=False)
     sock.close(linger=0)
     ctx.term()
 
@@ -236,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens = args.tokens
     gbps = bench_side_by_side(tokens, args.iters)
     lat["fake"] = med(bench_fake_latency(tokens[0], args.iters)) * 1e3
-    result: dict[str, object] = {
+    result: dict[str, Any] = {
         "layout": {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "dtype": "bfloat16",
                    "block_size": 16},
         "request_bytes": {str(t): _request_nbytes(t) for t in tokens},

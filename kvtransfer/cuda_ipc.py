@@ -60,7 +60,7 @@ class CudaIpcWriter:
         self._src_flat = flat_bytes(sender.src_pool)
         self._src_num_blocks = sender.src_num_blocks
         self._dst_num_blocks = d.num_blocks
-        self._dst_flat = flat_bytes(open_cuda_pool(d.cuda_ipc, d.layout, d.num_blocks))
+        self._dst_flat: torch.Tensor | None = flat_bytes(open_cuda_pool(d.cuda_ipc, d.layout, d.num_blocks))
         self._stream = torch.cuda.Stream(device=sender.src_pool.device)
 
     def capture(self) -> object:
@@ -70,6 +70,7 @@ class CudaIpcWriter:
 
     def write(self, send: SendFn, ctx: object, request_id: str, layers: tuple[int, ...],
               src_block_ids: tuple[int, ...], dst_block_ids: tuple[int, ...]) -> None:
+        assert isinstance(ctx, torch.cuda.Event) and self._dst_flat is not None
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ctx)
             copy_blocks(self._layout, self._src_flat, self._src_num_blocks, self._dst_flat,

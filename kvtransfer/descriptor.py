@@ -98,7 +98,7 @@ def _typed(values: object, types: tuple[type, ...], name: str) -> list:
     if not isinstance(values, list) or len(values) != len(types):
         raise MessageError("bad_field", name)
     for v, t in zip(values, types):
-        if type(v) is not t or (t is int and v < 0):
+        if type(v) is not t or (isinstance(v, int) and v < 0):
             raise MessageError("bad_field", name)
     return values
 

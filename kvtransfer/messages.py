@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import msgpack
 
@@ -95,6 +95,7 @@ _TAGS: dict[type, int] = {WritePayload: 1, WriteDone: 2, Notify: 3, Cancel: 4, C
 
 def encode(msg: Message) -> bytes:
     tag = _TAGS[type(msg)]
+    body: list[Any]
     if isinstance(msg, (WritePayload, WriteDone)):
         body = [msg.request_id, list(msg.layers), list(msg.dst_block_ids)]
     elif isinstance(msg, Notify):

@@ -266,7 +266,7 @@ class ZmqSender(Sender):
         next_beat = time.monotonic() + self._heartbeat_s
         while not self._stop.is_set():
             timeout_ms = max(0.0, next_beat - time.monotonic()) * 1000
-            events = dict(poller.poll(timeout_ms))
+            events = dict(poller.poll(int(timeout_ms)))
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
                     self._wake_rx.recv()

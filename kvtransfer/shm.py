@@ -6,6 +6,8 @@ checked to be a Tandem pool before it is mapped (``region.check_pool_path``).
 """
 from __future__ import annotations
 
+import torch
+
 from .blockcopy import copy_blocks
 from .descriptor import local_host_id
 from .layout import flat_bytes
@@ -27,13 +29,14 @@ class ShmWriter:
         self._src_flat = flat_bytes(sender.src_pool)
         self._src_num_blocks = sender.src_num_blocks
         self._dst_num_blocks = d.num_blocks
-        self._dst_flat = flat_bytes(map_shm_pool(d.layout, d.num_blocks, d.shm_path))
+        self._dst_flat: torch.Tensor | None = flat_bytes(map_shm_pool(d.layout, d.num_blocks, d.shm_path))
 
     def capture(self) -> None:
         return None
 
     def write(self, send: SendFn, ctx: object, request_id: str, layers: tuple[int, ...],
               src_block_ids: tuple[int, ...], dst_block_ids: tuple[int, ...]) -> None:
+        assert self._dst_flat is not None, "write after close"
         copy_blocks(self._layout, self._src_flat, self._src_num_blocks, self._dst_flat,
                     self._dst_num_blocks, layers, src_block_ids, dst_block_ids)
         send([encode(WriteDone(request_id, layers, dst_block_ids))])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import zmq
 
 from .blockcopy import runs
 from .layout import flat_bytes
@@ -28,7 +29,7 @@ class StagingRing:
 
     def __init__(self, slots: int = STAGING_SLOTS) -> None:
         self._bufs: list[torch.Tensor | None] = [None] * slots
-        self._trackers: list[object | None] = [None] * slots
+        self._trackers: list[zmq.MessageTracker | None] = [None] * slots
         self._next = 0
 
     def acquire(self, nbytes: int) -> tuple[torch.Tensor, int]:
@@ -44,7 +45,7 @@ class StagingRing:
         self._trackers[slot] = None
         return buf[:nbytes], slot
 
-    def track(self, slot: int, tracker: object) -> None:
+    def track(self, slot: int, tracker: zmq.MessageTracker) -> None:
         self._trackers[slot] = tracker
 
 
@@ -86,13 +87,14 @@ class TcpWriter:
         first = src_block_ids[0] if src_block_ids else 0
         nbytes = len(src_block_ids) * lo.block_nbytes
         offs = [lo.offset(layer, kv, first, self._src_num_blocks) for kv in (0, 1)]
+        assert self._src_np is not None   # only CPU pools send straight from the pool
         return [self._src_np[off:off + nbytes] for off in offs]
 
     def _send_staged(self, send: SendFn, ctx: object, header: bytes, layers: tuple[int, ...],
                      src_block_ids: tuple[int, ...]) -> None:
         frame_nbytes = len(src_block_ids) * self._layout.block_nbytes
         buf, slot = self._staging.acquire(2 * len(layers) * frame_nbytes)
-        if ctx is not None:
+        if isinstance(ctx, torch.cuda.Event):
             ctx.synchronize()  # CUDA source: wait for the layer's compute before reading
         for i, layer in enumerate(layers):
             self._gather(buf[2 * i * frame_nbytes:2 * (i + 1) * frame_nbytes], layer, src_block_ids)

@@ -6,6 +6,8 @@ num_kv_heads, head_dim]``; a sequence's token at position p lives in block
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -27,8 +29,8 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: 
 
 
 def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, query_start_loc: tuple[int, ...],
-                      seq_lens: tuple[int, ...], scale: float) -> torch.Tensor:
+                      block_tables: torch.Tensor, query_start_loc: Sequence[int] | torch.Tensor,
+                      seq_lens: Sequence[int] | torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of prefill chunks over their cached prefix plus the chunk itself.
 
     query: ``[num_prefill_tokens, num_heads, head_dim]``; the chunk's own K/V must already be in
@@ -45,7 +47,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if q_len == seq_len:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
+            mask = torch.ones(int(q_len), int(seq_len), dtype=torch.bool, device=q.device)
             mask = mask.tril(diagonal=seq_len - q_len)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = o.squeeze(0).transpose(0, 1)

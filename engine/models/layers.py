@@ -8,11 +8,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from engine.models.cpu_ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.ops = None   # engine.models.cpu_ops.LayerOps
+        self.ops: LayerOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
@@ -101,7 +104,8 @@ def pack_linears(module: nn.Module) -> int:
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim
     inv_freq = 1.0 / theta ** exponents
-    rope_type = (scaling or {}).get("rope_type", "default")
+    scaling = scaling or {}
+    rope_type = scaling.get("rope_type", "default")
     if rope_type == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
     elif rope_type == "llama3":
@@ -158,6 +162,7 @@ class RopeInputs:
 def apply_rotary(x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
     """Rotate ``[num_tokens, num_heads, head_dim]`` by the positions' angles (float32 math)."""
     cos, sin = rope.cos, rope.sin
+    assert cos is not None and sin is not None, "RotaryEmbedding looks them up unless rotary is fused"
     xf = x.float()
     half = x.shape[-1] // 2
     swapped = torch.cat((xf[..., half:], xf[..., :half]), dim=-1)   # rotate_half, sign is in `sin`

@@ -97,7 +97,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.scale = cfg.head_dim ** -0.5
-        self.ops = None   # engine.models.cpu_ops.LayerOps, set by LlamaForCausalLM.pack_for_cpu
+        self.ops: cpu_ops.LayerOps | None = None   # set by LlamaForCausalLM.pack_for_cpu
 
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
@@ -118,6 +118,7 @@ class Attention(nn.Module):
                                                           self.head_dim)
             q, k = apply_rotary(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
         else:
+            assert self.k_norm is not None
             q, k, _ = qkv.split(self.shard_sizes(), dim=-1)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
@@ -224,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
         if ops is not None and ops.supports(self.embed_tokens.weight.dtype, self.config.hidden_size,
                                             self.config.head_dim):
             for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)
                 layer.input_layernorm.ops = layer.post_attention_layernorm.ops = layer.self_attn.ops = ops
             self.norm.ops = ops
             self.fused_rotary = not self.config.qk_norm

@@ -5,6 +5,8 @@ Runs in a prefill or decode worker process; every series carries ``role``. The d
 """
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
@@ -44,12 +46,13 @@ class WorkerMetrics:
         self.itl = Histogram("tandem_inter_token_latency_seconds", "time between streamed tokens", ["role"],
                              registry=self.registry,
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)).labels(**labels)
-        self._server = None
+        self._server: WSGIServer | None = None
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        return self._server.server_address[1]
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        self._server = server
+        return server.server_address[1]
 
     def close(self) -> None:
         if self._server is not None:

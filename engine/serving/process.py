@@ -94,8 +94,8 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _follow(role: str, worker: WorkerConfig, configs: tuple, parallel: ParallelConfig,
-            follow: Callable[..., Any] | None) -> int:
+def _follow(role: str, worker: WorkerConfig, configs: tuple[ModelConfig, CacheConfig, SchedulerConfig],
+            parallel: ParallelConfig, follow: Callable[..., Any] | None) -> int:
     from engine.tp_follower import run_follower
 
     def ready() -> None:
