@@ -52,6 +52,7 @@ from deploy.launch import ServiceProcess
 from deploy.prometheus_sd import TargetFile, target_groups
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
 from protos.auth import SECRET_ENV, SecretStub
+from protos.limits import ROLES
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX
 
@@ -59,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "tandem-controller"
 NAMESPACE = "tandem"
-ROLES = ("prefill", "decode")
 CONFIG_ERROR_EXIT = 2               # workers and the router exit 2 on a bad flag / startup check
 STABLE_AFTER_S = 60.0               # a replica up this long has its consecutive failures forgotten
 MAX_BACKOFF_S = 60.0

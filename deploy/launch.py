@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.serving.process import READY_PREFIX
+from protos.limits import ROLES
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHM_DIR = Path("/dev/shm")
@@ -179,7 +180,7 @@ class WorkerProcess(ServiceProcess):
                  die_with_parent: bool = False, stderr_tail: int = 0) -> None:
         """Spawn the worker; with ``wait`` (default) return only once it is ready. Start several
         with ``wait=False`` and call ``wait_ready`` on each to load their models in parallel."""
-        if role not in ("prefill", "decode"):
+        if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role = role
         super().__init__(f"{role} worker", [sys.executable, "-m", f"{role}_worker", *flags], READY_PREFIX,

@@ -12,11 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from engine.capacity import capacity_lines
-from engine.config import resolve_chunked_prefill_size
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, resolve_chunked_prefill_size
 from engine.models.arch import ArchConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30   # what a CPU worker gets without --kv-cache-memory
 
 
 @dataclass(frozen=True)

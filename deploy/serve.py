@@ -28,10 +28,11 @@ from typing import Any
 
 from deploy.prometheus_sd import DEFAULT_SD_FILE
 from engine.cli_args import add_config_args, config_from_args, config_to_args
-from engine.config import CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.hf_hub import is_hub_id
 from engine.serving.config import WorkerConfig
 from protos.auth import load_secret, new_secret
+from protos.limits import ROLES
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig, add_public_api_args, public_api_flags
 
 logger = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("scale", help="set the number of prefill or decode replicas, live",
                        description="Add replicas (they take traffic once registered and healthy) or drain and "
                                    "remove them (no new requests; in-flight ones finish first).")
-    p.add_argument("role", choices=("prefill", "decode"))
+    p.add_argument("role", choices=ROLES)
     p.add_argument("replicas", type=int)
     _address_arg(p, serve=False)
     p.add_argument("--no-wait", action="store_true", help="return at once instead of when the change is done")
@@ -191,7 +192,7 @@ def _mem_available() -> int | None:
 
 def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], num_workers: int) -> None:
     """On a one-node CPU cluster: every worker's weights and KV pool must fit this machine."""
-    from deploy.plan import DEFAULT_CPU_KV_CACHE_BYTES, Workload, make_plan
+    from deploy.plan import Workload, make_plan
 
     dtype = resolve_dtype(args.dtype, on_cuda=False)
     plan = make_plan(arch, args.model, dtype=dtype, block_size=args.block_size,
@@ -401,7 +402,7 @@ def _wait_settled(controller, timeout_s: float, role: str | None = None, count: 
         if failed:
             raise ServeError("; ".join(f"{w['id']} {'failed' if w['state'] == 'failed' else 'keeps dying'}: "
                                        f"{w['error']}" for w in failed))
-        counts = {r: sum(w["role"] == r for w in workers) for r in ("prefill", "decode")}
+        counts = {r: sum(w["role"] == r for w in workers) for r in ROLES}
         if all(w["state"] == "running" for w in workers) and counts == status["desired"]:
             return status
         if time.monotonic() > deadline:

@@ -10,8 +10,15 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def flag(default: Any, help: str, **metadata: Any) -> Any:
+    """A config field and its command-line help in one place (engine/cli_args.py reads
+    ``help``, and ``choices`` when given, from the field's metadata)."""
+    return field(default=default, metadata={"help": help, **metadata})
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "lpm")
@@ -55,13 +62,17 @@ def resolve_chunked_prefill_size(size: int, on_cuda: bool) -> int:
 class ModelConfig:
     """Which weights to load and how to run them."""
 
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"          # auto = bfloat16 on CUDA and on CPUs with avx512_bf16/amx_bf16, else float32
-    device: str = "auto"         # auto = cuda when available, else cpu
-    max_model_len: int | None = None  # None = the model's own context length
-    attention_backend: str = "auto"   # auto = triton on CUDA, cpu (C kernels; torch if they cannot build) on CPU
-    revision: str | None = None       # branch, tag or commit of a Hugging Face id (default: main)
-    download_dir: str | None = None   # HF cache for Hugging Face ids (default: HF_HUB_CACHE)
+    model: str = flag(DEFAULT_MODEL, "built-in model name, HF model directory, .gguf file or Hugging Face id "
+                      "(org/name; from the local HF cache, else downloaded once per node; HF_HUB_OFFLINE, "
+                      "HF_TOKEN apply)")
+    dtype: str = flag("auto", "weights/activations dtype (auto: bfloat16 on CUDA and on CPUs with native bf16 "
+                      "(avx512_bf16/amx_bf16), float32 on other CPUs)")
+    device: str = flag("auto", "cpu, cuda or auto (cuda when available)")
+    max_model_len: int | None = flag(None, "longest prompt + output accepted (default: the model's context length)")
+    attention_backend: str = flag("auto", "auto (triton on CUDA; on CPU: cpu, or torch when its C kernels cannot "
+                                  "be compiled), cpu (C kernels over the paged cache, needs gcc), torch or triton")
+    revision: str | None = flag(None, "branch, tag or commit of a Hugging Face id (default: main)")
+    download_dir: str | None = flag(None, "HF cache directory for Hugging Face ids (default: HF_HUB_CACHE)")
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -79,16 +90,20 @@ class ModelConfig:
             raise ValueError(f"attention_backend={self.attention_backend!r}: use auto, cpu, torch or triton")
 
 
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30   # the KV pool of a CPU worker without --kv-cache-memory
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV pool geometry and sizing (docs/architecture.md#kv-cache)."""
 
-    block_size: int = 16
-    kv_cache_memory: int | None = None        # bytes for the KV pool; wins over utilization
-    gpu_memory_utilization: float = 0.9       # CUDA: fraction of device memory for weights+KV
-    num_gpu_blocks_override: int | None = None  # exact number of blocks
-    enable_prefix_caching: bool = True
-    shared_memory: bool = True                # CPU: put the pool in /dev/shm for kvtransfer
+    block_size: int = flag(16, "tokens per KV block")
+    kv_cache_memory: int | None = flag(None, f"bytes for the KV pool; wins over --gpu-memory-utilization "
+                                       f"(CPU default {DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB)")
+    gpu_memory_utilization: float = flag(0.9, "CUDA: fraction of device memory for weights + activations + KV")
+    num_gpu_blocks_override: int | None = flag(None, "exact number of KV blocks")
+    enable_prefix_caching: bool = flag(True, "reuse cached prompt blocks")
+    shared_memory: bool = flag(True, "CPU: allocate the KV pool in /dev/shm so kvtransfer can map it")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -107,10 +122,11 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous-batching limits (docs/architecture.md#scheduling-and-its-knobs)."""
 
-    max_num_seqs: int = 64              # decode batch cap (--max-running-requests)
-    chunked_prefill_size: int = 0       # prefill tokens per step; 0 = auto (512 on CPU, 2048 on CUDA)
-    schedule_policy: str = "fcfs"       # fcfs | lpm (longest prefix match first)
-    schedule_conservativeness: float = 1.0
+    max_num_seqs: int = flag(64, "decode batch cap")
+    chunked_prefill_size: int = flag(0, f"prefill tokens per step (0 = auto: {CPU_CHUNKED_PREFILL_SIZE} on CPU, "
+                                     f"{CUDA_CHUNKED_PREFILL_SIZE} on CUDA)")
+    schedule_policy: str = flag("fcfs", "fcfs or lpm (longest prefix match first)")
+    schedule_conservativeness: float = flag(1.0, "scales the future-token room reserved for running requests")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -133,9 +149,11 @@ class ParallelConfig:
     ``host:port`` where rank 0 hosts the torch.distributed TCPStore every rank joins.
     """
 
-    tensor_parallel_size: int = 1
-    tp_rank: int = 0
-    dist_init_address: str = ""
+    tensor_parallel_size: int = flag(1, "ranks (processes, one per GPU) of one replica; must divide the "
+                                     "model's attention and KV heads")
+    tp_rank: int = flag(0, "this process's tensor-parallel rank: 0 schedules and serves, > 0 follows rank 0")
+    dist_init_address: str = flag("", "host:port where rank 0 hosts the torch.distributed store (required "
+                                  "when --tensor-parallel-size > 1; the same on every rank)")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 30.0          # a collective waiting this long fails (a peer is gone)
 HEARTBEAT_INTERVAL_S = 2.0        # rank 0 pings followers after this long without a message
-MAX_MESSAGE_BYTES = 64 << 20
+MAX_TP_MESSAGE_BYTES = 64 << 20
 
 # Message kinds (the first int64 of every header).
 PING, STEP, OPS, STOP = 0, 1, 2, 3
@@ -105,8 +105,8 @@ class TPGroup:
     def send(self, kind: int, body: Any = None) -> None:
         """Rank 0: broadcast one message to every follower."""
         data = b"" if body is None else msgpack.packb(body, use_bin_type=True)
-        if len(data) > MAX_MESSAGE_BYTES:
-            raise ValueError(f"a TP message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+        if len(data) > MAX_TP_MESSAGE_BYTES:
+            raise ValueError(f"a TP message of {len(data)} bytes exceeds {MAX_TP_MESSAGE_BYTES}")
         self._broadcast(torch.tensor([kind, len(data)], dtype=torch.int64))
         if data:
             self._broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8))
@@ -116,7 +116,7 @@ class TPGroup:
         header = torch.zeros(2, dtype=torch.int64)
         self._broadcast(header)
         kind, nbytes = header.tolist()
-        if not 0 <= nbytes <= MAX_MESSAGE_BYTES:
+        if not 0 <= nbytes <= MAX_TP_MESSAGE_BYTES:
             raise ValueError(f"a TP message header announces {nbytes} bytes")
         if not nbytes:
             return kind, None

@@ -58,7 +58,10 @@ def sweep_stale_pools(directory: Path = SHM_DIR) -> list[Path]:
 
 
 @dataclass(frozen=True)
-class KVLayout:
+class KVPoolShape:
+    """The engine's view of one rank's pool (torch dtype); kvtransfer.KVLayout is the same
+    geometry as the transfer fabric checks it (dtype by name, plus the TP rank)."""
+
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -77,7 +80,7 @@ class KVLayout:
 
 
 class KVPool:
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device,
+    def __init__(self, layout: KVPoolShape, num_blocks: int, device: torch.device,
                  shared_memory: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")

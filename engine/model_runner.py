@@ -21,9 +21,16 @@ from typing import Any
 import torch
 
 from engine.attention.metadata import AttentionMetadata
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, resolve_chunked_prefill_size, resolve_dtype
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    resolve_chunked_prefill_size,
+    resolve_dtype,
+)
 from engine.distributed import STEP, Leader, TPGroup
-from engine.kv_cache import KVLayout, KVPool, capacity_lines
+from engine.kv_cache import KVPool, KVPoolShape, capacity_lines
 from engine.loader import Checkpoint, resolve_model
 from engine.models.arch import ArchConfig
 from engine.models.layers import RotaryEmbedding, TensorParallel, can_pack_linear
@@ -32,7 +39,6 @@ from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -138,7 +144,7 @@ class ModelRunner:
         logger.info("loaded %s (%s, %.1fM params, %s, TP rank %d of %d) in %.1f s", self.source.path,
                     self.arch.architecture, self.arch.num_params / 1e6, self.dtype, tp.rank, tp.size,
                     time.perf_counter() - started)
-        self.layout = KVLayout(self.arch.num_layers, tp.split(self.arch.num_kv_heads), self.arch.head_dim,
+        self.layout = KVPoolShape(self.arch.num_layers, tp.split(self.arch.num_kv_heads), self.arch.head_dim,
                                self.block_size, self.dtype)
         num_blocks = self._num_kv_blocks(cache_config, max_num_batched_tokens)
         if self.group is not None:

@@ -14,7 +14,14 @@ import os
 
 import torch
 
-from .descriptor import CudaIpcHandle, RegionDescriptor, join_descriptors, local_host_id, split_descriptors
+from .descriptor import (
+    TRANSPORTS,
+    CudaIpcHandle,
+    RegionDescriptor,
+    join_descriptors,
+    local_host_id,
+    split_descriptors,
+)
 from .fake import FakeFabric, FakeSender
 from .layout import KVLayout, LayoutMismatchError
 from .messages import MessageError, NotifyPayload
@@ -24,7 +31,7 @@ from .sender import Sender, SenderClosed, TransferCancelled, Writer, ZmqSender
 from .server import CurveKeys, ZmqServer
 from .tracker import TransferResult, TransferStatus
 
-BACKENDS = ("auto", "shm", "tcp", "cuda-ipc", "fake")
+BACKENDS = ("auto", *TRANSPORTS)   # auto: shm or cuda-ipc on the same host, else tcp
 
 __all__ = [
     "BACKENDS", "POOL_NAME", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",

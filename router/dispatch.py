@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import worker_pb2
 from router import errors
 from router.policies import Policy
@@ -39,7 +40,6 @@ logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED})
 DEFAULT_MAX_TOKENS = 16  # the engine's default when sampling.max_tokens is unset
-MAX_LABEL_CHARS = 200    # of the client's id in the internal one; workers accept 256 characters
 
 
 @dataclass
@@ -103,7 +103,7 @@ class Dispatcher:
         waiting = True
         avoid: set[str] = set()
         failures: set[str] = set()   # why earlier attempts failed, with addresses and ids left out
-        internal_id = f"{request_id[:MAX_LABEL_CHARS]}.{uuid.uuid4().hex[:16]}"
+        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{uuid.uuid4().hex[:16]}"
         logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
         request_id = internal_id
         self.num_waiting += 1
@@ -176,7 +176,7 @@ class Dispatcher:
     async def _wait_for_workers(self) -> None:
         """Before a retry: give a restarting worker ``failover_wait_s`` to come back when no
         worker of a role is left (then ``_pick`` fails the request as unavailable)."""
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             if not self.registry.healthy(role) and self.failover_wait_s > 0:
                 logger.info("no healthy %s worker; waiting up to %.0f s for one", role, self.failover_wait_s)
                 try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import jinja2
 
 from engine.tokenizer import Tokenizer
+from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router import errors
 from router.coalesce import Coalescer
@@ -28,8 +29,6 @@ from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.sampling import prepare_sampling, unencodable
 from router.text_stream import TextStream
-
-MAX_REQUEST_ID_CHARS = 200   # the workers accept 256; retries append ".retryN"
 
 
 @dataclass(frozen=True)
@@ -81,8 +80,9 @@ class Frontend:
                                          f"max_sub_requests={self.max_sub_requests}", "n" if n > 1 else "prompt")
 
     def _request_id(self, given: str) -> str:
-        if len(given) > MAX_REQUEST_ID_CHARS:
-            raise errors.invalid_request(f"request_id is longer than {MAX_REQUEST_ID_CHARS} characters", "request_id")
+        if len(given) > MAX_CLIENT_REQUEST_ID_CHARS:
+            raise errors.invalid_request(f"request_id is longer than {MAX_CLIENT_REQUEST_ID_CHARS} characters",
+                                         "request_id")
         if unencodable(given):
             raise errors.invalid_request("request_id must be valid Unicode (no lone surrogates)", "request_id")
         return given or uuid.uuid4().hex
@@ -148,7 +148,7 @@ class Frontend:
         that passed check_fan_out is taken, so a small max_waiting never starves it. The queue is
         the dispatcher's: a request admitted a moment ago whose streams have not started yet is
         not in it, so a burst can overshoot by about one request's sub-requests."""
-        for role in ("prefill", "decode"):
+        for role in ROLES:
             if not self.registry.healthy(role):
                 raise errors.unavailable(f"no {role} worker is available")
         num_waiting = self.dispatcher.num_waiting

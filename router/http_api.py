@@ -29,6 +29,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from protos.limits import ROLES
 from router import errors
 from router.cluster import cluster_view
 from router.config import RouterConfig
@@ -466,7 +467,7 @@ def create_app(frontend: Frontend, config: RouterConfig) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        ok = all(frontend.registry.healthy(role) for role in ("prefill", "decode"))
+        ok = all(frontend.registry.healthy(role) for role in ROLES)
         return JSONResponse({"status": "ok" if ok else "degraded"}, status_code=200 if ok else 503)
 
     @app.get("/metrics", dependencies=host_checked)

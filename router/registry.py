@@ -37,11 +37,10 @@ import grpc
 
 from engine.serving.fingerprint import Fingerprint, ModelIdentity, local_model_identity
 from protos.auth import SecretStub
+from protos.limits import MAX_MESSAGE_BYTES, ROLES
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
-ROLES = ("prefill", "decode")
-MAX_MESSAGE_BYTES = 64 << 20
 # HTTP/2 keepalive: a peer whose process froze or whose host vanished stops answering pings and
 # the channel fails with UNAVAILABLE (the worker servers permit pings this often).
 KEEPALIVE_OPTIONS = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 10_000),

@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engine.tokenizer import Tokenizer
 from protos.auth import SecretInterceptor, require_secret
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import admin_pb2_grpc, tandem_pb2_grpc
 from router.admin_api import SERVICE_NAME as ADMIN_SERVICE_NAME
 from router.admin_api import AdminServicer
@@ -31,7 +32,7 @@ from router.grpc_api import SERVICE_NAME, ApiKeyInterceptor, DecodeErrorIntercep
 from router.http_api import create_app
 from router.metrics import RouterMetrics
 from router.policies import make_policy
-from router.registry import MAX_MESSAGE_BYTES, WorkerRegistry
+from router.registry import WorkerRegistry
 
 logger = logging.getLogger(__name__)
 

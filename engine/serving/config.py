@@ -7,19 +7,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KV_BACKENDS = ("auto", "shm", "tcp", "fake")
+from engine.config import flag
+
+# kvtransfer's backend names (kvtransfer.BACKENDS; engine may not import kvtransfer, so
+# tests/test_one_fact.py holds the two equal). "fake" is the in-process fabric of the twin
+# tests: a worker process cannot use it, so its flag offers the others only.
+KV_BACKENDS = ("auto", "shm", "tcp", "cuda-ipc", "fake")
+PROCESS_KV_BACKENDS = tuple(b for b in KV_BACKENDS if b != "fake")
 NOT_FLAGS = ("cluster_secret",)
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    host: str = "127.0.0.1"          # address the gRPC, metrics and kvtransfer sockets bind
-    port: int = 0                    # gRPC port; 0 picks a free one (printed when ready)
-    metrics_port: int = 0            # Prometheus /metrics port; 0 picks a free one, -1 disables
-    kv_backend: str = "auto"         # kvtransfer backend: auto (shm on the same host, else tcp)
-    kv_lease_s: float = 30.0         # a transfer with no sender activity this long fails
-    log_interval_s: float = 5.0      # period of the "Prefill batch." / "Decode batch." lines
-    num_threads: int = 0             # torch CPU threads; 0 keeps torch's default
+    host: str = flag("127.0.0.1", "address the gRPC, metrics and kvtransfer sockets bind")
+    port: int = flag(0, "gRPC port; 0 picks a free one (printed when ready)")
+    metrics_port: int = flag(0, "Prometheus /metrics port; 0 picks a free one, -1 disables")
+    kv_backend: str = flag("auto", "kvtransfer backend: auto (shm or cuda-ipc on the same host, else tcp)",
+                           choices=PROCESS_KV_BACKENDS)
+    kv_lease_s: float = flag(30.0, "a transfer with no sender activity this long fails")
+    log_interval_s: float = flag(5.0, 'period of the "Prefill batch." / "Decode batch." lines')
+    num_threads: int = flag(0, "torch CPU threads; 0 keeps torch's default")
     # Every internal gRPC call and kvtransfer connection proves it; never printed (repr=False).
     cluster_secret: str = field(default="", repr=False)
 

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from engine.config import SamplingParams, StructuredOutput
+from protos.limits import MAX_REQUEST_ID_CHARS
 from protos.tandem.v1 import worker_pb2
 
-MAX_REQUEST_ID_LEN = 256
 _OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "max_tokens", "logprobs")
 
@@ -39,8 +39,8 @@ def check_request(request_id: str, prompt_token_ids: list[int], vocab_size: int,
     """ValueError with a clear message for anything a worker must refuse."""
     if not request_id:
         raise ValueError("request_id is empty")
-    if len(request_id) > MAX_REQUEST_ID_LEN:
-        raise ValueError(f"request_id is {len(request_id)} characters, more than {MAX_REQUEST_ID_LEN}")
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise ValueError(f"request_id is {len(request_id)} characters, more than {MAX_REQUEST_ID_CHARS}")
     if not prompt_token_ids:
         raise ValueError("prompt_token_ids is empty: give at least one token")
     if len(prompt_token_ids) > max_model_len:

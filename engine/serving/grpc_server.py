@@ -13,8 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from protos.auth import SecretInterceptor
-
-MAX_MESSAGE_BYTES = 64 << 20
+from protos.limits import MAX_MESSAGE_BYTES
 
 
 async def start_server(host: str, port: int, register: Sequence[Callable[[grpc.aio.Server], None]],

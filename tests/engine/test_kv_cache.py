@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from engine.kv_cache import KVLayout, KVPool, capacity_lines
+from engine.kv_cache import KVPool, KVPoolShape, capacity_lines
 
-LAYOUT = KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+LAYOUT = KVPoolShape(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
 
 
 def test_layout_sizes():

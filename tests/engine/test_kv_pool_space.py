@@ -8,11 +8,11 @@ import os
 import pytest
 import torch
 
-from engine.kv_cache import SHM_DIR, SHM_PREFIX, KVLayout, KVPool
+from engine.kv_cache import SHM_DIR, SHM_PREFIX, KVPool, KVPoolShape
 
 
-def layout() -> KVLayout:
-    return KVLayout(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+def layout() -> KVPoolShape:
+    return KVPoolShape(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
 
 
 def pool_files() -> set[str]:

@@ -9,8 +9,8 @@ import stat
 import pytest
 import torch
 
-from engine.kv_cache import KVLayout as EngineLayout
 from engine.kv_cache import KVPool
+from engine.kv_cache import KVPoolShape as EngineLayout
 from kvtransfer import (
     POOL_NAME,
     KVLayout,

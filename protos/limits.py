@@ -1,0 +1,15 @@
+"""Limits of the internal control plane that the router and the workers both hold to.
+
+One definition each, imported by the router (router/registry.py, router/frontend.py,
+router/dispatch.py), the workers' gRPC side (engine/serving/) and the controller (deploy/).
+kvtransfer may not import this package; its ``MAX_REQUEST_ID_LEN`` is held equal to
+``MAX_REQUEST_ID_CHARS`` by tests/test_one_fact.py.
+"""
+from __future__ import annotations
+
+ROLES = ("prefill", "decode")
+MAX_MESSAGE_BYTES = 64 << 20        # one gRPC message, either way, between router and workers
+MAX_REQUEST_ID_CHARS = 256          # a request id a worker accepts (kvtransfer's bound too)
+# Of a client's own request id: the router's internal id appends ".<16 hex>" and retries
+# ".retry<N>", which must stay within MAX_REQUEST_ID_CHARS.
+MAX_CLIENT_REQUEST_ID_CHARS = 200

@@ -1,0 +1,78 @@
+"""One fact, one place: each shared limit or name list has one definition that the others import.
+
+Where the import direction (tests/test_architecture.py) keeps two packages from importing each
+other -- engine and kvtransfer, kvtransfer and protos -- the second copy is checked equal here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+import kvtransfer
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.serving.config import KV_BACKENDS, NOT_FLAGS, PROCESS_KV_BACKENDS, WorkerConfig
+from kvtransfer.descriptor import TRANSPORTS
+from kvtransfer.messages import MAX_REQUEST_ID_LEN
+from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, MAX_REQUEST_ID_CHARS
+
+ROOT = Path(__file__).resolve().parent.parent
+PRODUCT = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy")
+# name -> the one module that defines it
+DEFINED_IN = {
+    "ROLES": "protos/limits.py",
+    "MAX_MESSAGE_BYTES": "protos/limits.py",
+    "MAX_REQUEST_ID_CHARS": "protos/limits.py",
+    "MAX_CLIENT_REQUEST_ID_CHARS": "protos/limits.py",
+    "DEFAULT_CPU_KV_CACHE_BYTES": "engine/config.py",
+    "MAX_LOGPROBS": "engine/config.py",
+    "BACKENDS": "kvtransfer/__init__.py",
+    "TRANSPORTS": "kvtransfer/descriptor.py",
+    "KV_BACKENDS": "engine/serving/config.py",
+    "MAX_REQUEST_ID_LEN": "kvtransfer/messages.py",
+}
+# The same name for another fact: tandem bench's client backends (openai, grpc).
+OTHER_FACTS = {("BACKENDS", "deploy/bench/config.py")}
+
+
+def test_each_shared_name_is_assigned_in_one_module():
+    pattern = re.compile(r"^(" + "|".join(DEFINED_IN) + r")\s*(:[^=]*)?=", re.MULTILINE)
+    found: dict[str, list[str]] = {name: [] for name in DEFINED_IN}
+    for package in PRODUCT:
+        for path in (ROOT / package).rglob("*.py"):
+            where = path.relative_to(ROOT).as_posix()
+            for match in pattern.finditer(path.read_text(encoding="utf-8")):
+                if (match.group(1), where) not in OTHER_FACTS:
+                    found[match.group(1)].append(where)
+    assert found == {name: [where] for name, where in DEFINED_IN.items()}
+
+
+def test_copies_across_the_import_ban_agree():
+    assert KV_BACKENDS == kvtransfer.BACKENDS == ("auto", *TRANSPORTS)
+    assert MAX_REQUEST_ID_LEN == MAX_REQUEST_ID_CHARS
+    # The router's internal id is the client's id, "." and 16 hex digits, then ".retry<N>".
+    assert MAX_CLIENT_REQUEST_ID_CHARS + len(".0123456789abcdef.retry99") <= MAX_REQUEST_ID_CHARS
+
+
+def test_only_one_kv_layout_class_name():
+    from engine.kv_cache import KVPoolShape
+    assert KVPoolShape.__name__ != kvtransfer.KVLayout.__name__
+
+
+def test_a_worker_process_refuses_the_in_process_fake_backend(capsys):
+    from engine.serving.process import parse_args
+
+    assert "fake" not in PROCESS_KV_BACKENDS
+    assert parse_args("prefill", ["--kv-backend", "cuda-ipc"]).kv_backend == "cuda-ipc"
+    with pytest.raises(SystemExit, match="2"):
+        parse_args("prefill", ["--kv-backend", "fake"])
+    assert "invalid choice: 'fake'" in capsys.readouterr().err
+    assert WorkerConfig(kv_backend="fake").kv_backend == "fake"   # the in-process twin still may
+
+
+@pytest.mark.parametrize("cls", [ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, WorkerConfig])
+def test_every_flag_has_its_help_on_the_field(cls):
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in NOT_FLAGS and not f.metadata.get("help")]
+    assert missing == []
