@@ -20,6 +20,7 @@ once every rank's share of its KV has landed.
 from __future__ import annotations
 
 import collections
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -60,6 +61,14 @@ def deliver_in_place(batch: EventBatch) -> None:
         sink(event)
 
 
+class DecodeState(enum.Enum):
+    """Where a request is on this worker: waiting for room, its KV arriving, or decoding."""
+
+    PREALLOCATING = "preallocating"   # waiting in the pre-allocation queue for blocks
+    TRANSFERRING = "transferring"     # blocks reserved, the prefill worker is writing them
+    RUNNING = "running"               # in the engine's running batch
+
+
 @dataclass
 class DecodeJob:
     request_id: str
@@ -68,7 +77,7 @@ class DecodeJob:
     prefill_address: str
     sink: Sink                                # called by DecodeLoop.deliver with this job's events
     arrival_s: float = field(default_factory=time.monotonic)
-    state: str = "preallocating"              # preallocating | transferring | running
+    state: DecodeState = DecodeState.PREALLOCATING
     block_ids: list[int] = field(default_factory=list)        # reserved: prompt + first token
     transfer_block_ids: list[int] = field(default_factory=list)  # the ones the prompt's KV fills
     num_output_tokens: int = 0
@@ -119,9 +128,9 @@ class DecodeLoop(EngineLoop):
         job = self.jobs.pop(request_id, None)
         if job is None:
             return False
-        if job.state == "preallocating":
+        if job.state == DecodeState.PREALLOCATING:
             self.prealloc.remove(request_id)
-        elif job.state == "transferring":
+        elif job.state == DecodeState.TRANSFERRING:
             del self.transferring[request_id]
             self.ranks.run([["cancel", request_id, "aborted at the decode worker"]])
             self.cancelled[request_id] = job.block_ids  # freed once no writer can touch them
@@ -137,9 +146,9 @@ class DecodeLoop(EngineLoop):
         died); the reservation stays, the old writer is fenced. False when the request is
         unknown, already decoding or its transfer already ended."""
         job = self.jobs.get(request_id)
-        if job is None or job.state == "running":
+        if job is None or job.state == DecodeState.RUNNING:
             return False
-        if job.state == "transferring":
+        if job.state == DecodeState.TRANSFERRING:
             # The old prefill worker may only look dead: fence it before the new one gets the
             # blocks, so a late write or notify of its own can neither count as the new one's
             # nor complete, renew or cancel the transfer.
@@ -148,7 +157,7 @@ class DecodeLoop(EngineLoop):
             except ValueError:
                 return False   # the transfer just ended (done or failed): the next poll settles it
         job.prefill_address = prefill_address
-        if job.state == "transferring":
+        if job.state == DecodeState.TRANSFERRING:
             self.send_destination(job, self.descriptor)
         return True
 
@@ -197,7 +206,7 @@ class DecodeLoop(EngineLoop):
             job.block_ids = self.engine.allocator.allocate(num_blocks)
             # The first token's K/V is computed here, so only the prompt's blocks are written.
             job.transfer_block_ids = job.block_ids[:-(-len(job.prompt_token_ids) // block_size)]
-            job.state = "transferring"
+            job.state = DecodeState.TRANSFERRING
             job.reserved_s = time.monotonic()
             self.transferring[job.request_id] = job
             pending_future += job.params.max_tokens
@@ -275,7 +284,7 @@ class DecodeLoop(EngineLoop):
             logger.warning("cannot start decoding request_id=%s: %s", job.request_id, exc)
             self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker's first token: {exc}")))
             return
-        job.state = "running"
+        job.state = DecodeState.RUNNING
         job.num_cached_tokens = payload.num_cached_tokens
         now = time.monotonic()
         self.metrics.ttft.observe(now - job.arrival_s)
