@@ -12,7 +12,7 @@ import grpc
 
 from engine.serving.convert import check_request, sampling_from_proto
 from engine.serving.fingerprint import check_peer
-from prefill_worker.worker import Destination, PrefillJob, PrefillLoop
+from prefill_worker.worker import AbortedBeforeSubmit, Destination, PrefillJob, PrefillLoop
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_DESCRIPTOR_BYTES = 1 << 16
@@ -39,6 +39,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             cached = await self.loop.run(lambda: self.loop.submit(job))
         except KeyError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
+        except AbortedBeforeSubmit as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.SubmitResponse(num_cached_tokens=cached)

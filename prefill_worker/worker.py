@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 EARLY_DESTINATION_TTL_S = 60.0  # a destination may arrive before its Submit; kept this long
 
 
+class AbortedBeforeSubmit(Exception):
+    """A Submit for a request id that was aborted (or whose destination was refused) before it came."""
+
+
 @dataclass
 class Destination:
     block_ids: list[int]
@@ -71,6 +75,7 @@ class PrefillLoop(EngineLoop):
         self.tp_size = self.rank.tp_size
         self.jobs: dict[str, PrefillJob] = {}
         self.early: dict[str, tuple[Destination, float]] = {}
+        self.ended: dict[str, float] = {}          # aborted before their Submit came: its Submit is refused
         self._layer_writes: list[list[Any]] = []   # this step's per-layer writes
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
         self._last_prompt_tokens = 0
@@ -83,6 +88,8 @@ class PrefillLoop(EngineLoop):
         """Queue a prompt; returns the prompt tokens found in the prefix cache."""
         if job.request_id in self.jobs:
             raise KeyError(f"request_id={job.request_id!r} is already submitted")
+        if self.ended.pop(job.request_id, None) is not None:
+            raise AbortedBeforeSubmit(f"request_id={job.request_id!r} was aborted before its Submit arrived")
         # The prefill worker samples only the first token.
         self.engine.add_request(job.request_id, job.prompt_token_ids,
                                 dataclasses.replace(job.params, max_tokens=1))
@@ -123,6 +130,10 @@ class PrefillLoop(EngineLoop):
             early = self.early.pop(request_id, None)
             if early is not None:
                 self._cancel_early(request_id, early[0])
+            else:
+                # An Abort (or a refused destination) can overtake its Submit: remember it, or
+                # the Submit would compute a prompt nobody reads and hold its blocks.
+                self.ended[request_id] = time.monotonic()
             return early is not None
         if job.destination is not None:
             self.ranks.run([["cancel", request_id, "aborted at the prefill worker"], ["forget", request_id]])
@@ -238,6 +249,9 @@ class PrefillLoop(EngineLoop):
         for request_id, (_, at) in list(self.early.items()):
             if now - at > EARLY_DESTINATION_TTL_S:
                 del self.early[request_id]
+        for request_id, at in list(self.ended.items()):
+            if now - at > EARLY_DESTINATION_TTL_S:
+                del self.ended[request_id]
 
     # -- observability -------------------------------------------------------------------------
     def _update_gauges(self) -> None:

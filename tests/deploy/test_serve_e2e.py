@@ -189,15 +189,58 @@ def test_the_official_openai_client_gets_paris(deployment):
     assert reply.choices[0].message.content == "The capital of France is Paris."
 
 
-def test_router_and_decode_run_at_niceness_0_and_prefill_below_them(deployment):
+def test_the_official_openai_client_gets_json_valid_for_its_schema(deployment):
+    import jsonschema
+    from openai import OpenAI
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "country": {"type": "string", "maxLength": 30}},
+              "required": ["city", "country"], "additionalProperties": False}
+    client = OpenAI(base_url=f"{deployment.http}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=64,
+        messages=[{"role": "user", "content": "Name a city and its country."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": schema}})
+    assert reply.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+
+
+def test_the_official_openai_client_runs_a_tool_call_round_trip(deployment):
+    """Turn 1: the named tool_choice forces a call (structured output makes it reliable on a
+    135M model); turn 2: the tool's result goes back and the model answers in text."""
+    from openai import OpenAI
+
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                       "required": ["city"], "additionalProperties": False}}}
+    client = OpenAI(base_url=f"{deployment.http}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=64, messages=messages,
+                                           tools=[weather],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert first.choices[0].finish_reason == "tool_calls"
+    (call,) = first.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments)["city"], str)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 21, "sky": "sunny"}'}]
+    second = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=32, messages=messages,
+                                            tools=[weather], tool_choice="none")
+    assert second.choices[0].finish_reason in ("stop", "length")
+    assert second.choices[0].message.content and not second.choices[0].message.tool_calls
+
+
+def test_router_and_decode_run_at_our_niceness_and_prefill_below_them(deployment):
     """Ray starts actors at niceness 15; what tandem serve starts must not inherit it (a client or
     shell on the node would take the cores first), and prefill yields to decode (--prefill-nice 5)."""
     def nice(pid: int) -> int:
         return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
 
+    ours = os.nice(0)                       # Ray's own processes start at the niceness of `tandem serve`
     status = deployment.status()
-    assert nice(status["router"]["pid"]) == 0
-    assert {w["role"]: [nice(p) for p in w["pids"]] for w in status["workers"]} == {"prefill": [5], "decode": [0]}
+    assert nice(status["router"]["pid"]) == ours
+    assert {w["role"]: [nice(p) for p in w["pids"]] for w in status["workers"]} == {"prefill": [min(ours + 5, 19)],
+                                                                                    "decode": [ours]}
 
 
 def test_status_lists_the_router_and_every_worker(deployment):

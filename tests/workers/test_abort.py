@@ -158,3 +158,23 @@ def test_explicit_decode_abort_ends_the_stream(pair, reference):
         decode.decode_stub.Abort(worker_pb2.AbortRequest(request_id="abort-decode"), timeout=10)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     check_fresh_request(prefill, decode, reference, "after-abort-decode")
+
+
+def test_an_abort_that_overtakes_its_submit_makes_the_submit_fail_and_computes_nothing(pair, tiny_dir):
+    """The router sends Submit and, on a quick client disconnect or a refused destination, Abort
+    concurrently; when the Abort lands first the Submit must not start a prompt nobody reads."""
+    prefill, decode = pair
+    [prompt] = prompts_for([40], seed=9100)
+    before = prompt_tokens_total(prefill)
+    with pytest.raises(grpc.RpcError) as aborted:
+        prefill.prefill_stub.Abort(worker_pb2.AbortRequest(request_id="overtaken-0"), timeout=10)
+    assert aborted.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as refused:
+        submit(prefill, decode.grpc, "overtaken-0", prompt, greedy(4))
+    assert refused.value.code() == grpc.StatusCode.ABORTED
+    assert "aborted before its Submit arrived" in refused.value.details()
+    assert prefill.stats().kv_blocks_used == 0
+    assert prompt_tokens_total(prefill) == before
+    result = generate(prefill, decode, "overtaken-1", prompt, greedy(4))     # a fresh id still runs
+    assert result.error is None and len(result.token_ids) == 4
+    wait_idle(prefill, decode)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 from engine.config import SamplingParams
@@ -77,10 +78,16 @@ def test_tp_size_mismatch_fails_the_request_naming_both_sizes(tp_pair, spawn, ti
     result = generate(prefill, decode_tp1, "tp-mismatch", prompt, greedy(4))
     assert result.error is not None
     details = result.error.details()
-    assert "the decode worker has tensor_parallel_size=1" in details
-    assert "this prefill worker has tensor_parallel_size=2" in details
-    # What a router does when a stream fails: abort at the prefill worker, which frees the prompt.
-    prefill.prefill_stub.Abort(worker_pb2.AbortRequest(request_id="tp-mismatch"), timeout=RPC_TIMEOUT_S)
+    # The model handshake (engine/serving/fingerprint.py) refuses the pair before any transfer,
+    # naming both sides' TP rank/size.
+    assert "FAILED_PRECONDITION" in details and "model fingerprints differ in" in details and "tp" in details
+    assert "tp=0/1" in details and "tp=0/2" in details, details
+    # What a router does when a stream fails: abort at the prefill worker (which may have dropped
+    # the request itself already), which frees the prompt.
+    try:
+        prefill.prefill_stub.Abort(worker_pb2.AbortRequest(request_id="tp-mismatch"), timeout=RPC_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.NOT_FOUND, exc
     wait_idle(prefill, decode_tp1)
 
 
