@@ -88,11 +88,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "with decode workers, a decode step (on the critical path of every running stream) "
                         "goes first and prefill takes the rest")
     p.add_argument("--prefill-threads", type=int, default=0, metavar="N",
-                   help="torch threads per prefill rank on CPU-only clusters (default 0: the node's cores / "
-                        "worker ranks on it); more than that oversubscribes the cores, with OpenMP waiting "
-                        "passively so a preempted thread costs its peers no spinning")
+                   help="torch threads per prefill rank on CPU-only clusters (default 0: the node's cores shared "
+                        "by its prefill ranks; prefill is niced below decode and runs on what decode leaves)")
     p.add_argument("--decode-threads", type=int, default=0, metavar="N",
-                   help="torch threads per decode rank on CPU-only clusters (default 0: as --prefill-threads)")
+                   help="torch threads per decode rank on CPU-only clusters (default 0: the node's cores / its "
+                        "worker ranks); threads beyond the cores get short OpenMP spins (GOMP_SPINCOUNT=2000)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
     p.add_argument("--prometheus-sd-file", default=DEFAULT_SD_FILE, metavar="PATH",
                    help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
