@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode vs the colocated engine under a prefill burst (a script, not a test).
 
 Runs one seeded workload against (A) a real prefill worker + a real decode worker, separate
-processes with one torch thread each, driven over gRPC the way the router drives them
+processes started as `tandem serve` starts 1P1D on 2 cores (prefill 2 torch threads niced 5 below
+decode, decode 1), driven over gRPC the way the router drives them
 (docs/architecture.md#request-flow: open DecodeWorker.Generate, send PrefillWorker.Submit concurrently), and (B)
 the colocated LLMEngine, stepped by a server thread in this process with requests added at
 their arrival times, once per entry of --colocated-threads (the first is the baseline of the
@@ -36,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PREFILL_NICE = 5          # tandem serve --prefill-nice's default
 # Run as a script, this file's folder comes first on sys.path and its name would shadow the
 # `engine` package: put the repository root there instead.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
@@ -84,13 +86,19 @@ def make_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], float]:
 
 # -- (A) disaggregated: two worker processes ---------------------------------------------------
 def start_worker(role: str, flags: list[str], log_dir: str) -> WorkerProcess:
-    """Spawn a worker with its stderr in ``log_dir/<role>.log`` (ready: ``wait_ready``)."""
+    """Spawn a worker with its stderr in ``log_dir/<role>.log`` (ready: ``wait_ready``), the way
+    `tandem serve` starts 1P1D on a 2-core node: prefill niced 5 below decode, short OpenMP spins."""
+    from deploy.controller import OVERSUBSCRIBED_OMP_ENV
+
     log = open(Path(log_dir) / f"{role}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
-    return WorkerProcess(role, flags, stderr=log, wait=False)
+    return WorkerProcess(role, flags, stderr=log, wait=False, env=OVERSUBSCRIBED_OMP_ENV,
+                         nice=PREFILL_NICE if role == "prefill" else 0)
 
 
-def worker_flags(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--dtype", args.dtype, "--device", "cpu", "--num-threads", "1",
+def worker_flags(args: argparse.Namespace, role: str) -> list[str]:
+    """`tandem serve`'s defaults on 2 cores: prefill 2 threads (all the cores), decode 1."""
+    threads = 2 if role == "prefill" else 1
+    return ["--model", args.model, "--dtype", args.dtype, "--device", "cpu", "--num-threads", str(threads),
             "--num-gpu-blocks-override", str(args.num_blocks), "--chunked-prefill-size",
             str(args.chunked_prefill_size), "--metrics-port", "-1", "--log-level", "WARNING"]
 
@@ -156,7 +164,7 @@ def run_disaggregated(specs: list[RequestSpec], args: argparse.Namespace, warmup
         log_dir = args.log_dir or tmp_dir
         workers = []
         try:
-            workers = [start_worker(role, worker_flags(args), log_dir) for role in ("prefill", "decode")]
+            workers = [start_worker(role, worker_flags(args, role), log_dir) for role in ("prefill", "decode")]
             addresses = {w.role: w.wait_ready(args.startup_timeout_s)["grpc"] for w in workers}
             return asyncio.run(_drive_workers(specs, addresses, args.timeout_s, warmup))
         finally:
@@ -331,7 +339,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-at-s", type=float, default=None,
                    help="burst arrival offset (default: 1 s after the middle steady request)")
     p.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per pool (each system)")
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
+    p.add_argument("--chunked-prefill-size", type=int, default=0, help="0: the engine's auto (512 on CPU)")
     p.add_argument("--colocated-threads", default="2,1", help="torch threads per colocated run; first = baseline")
     p.add_argument("--no-disaggregated", action="store_true", help="only run the colocated engine")
     p.add_argument("--seed", type=int, default=0)
@@ -364,8 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     if not args.no_disaggregated:
         t0 = time.monotonic()
-        results["disaggregated 1P+1D x1t"] = summarize(run_disaggregated(specs, args, warmup))
-        print(f"disaggregated (prefill worker + decode worker, 1 torch thread each): done in "
+        results["disaggregated 1P+1D"] = summarize(run_disaggregated(specs, args, warmup))
+        print(f"disaggregated (prefill worker 2 torch threads niced {PREFILL_NICE}, decode worker 1): done in "
               f"{time.monotonic() - t0:.0f} s", flush=True)
     for num_threads in [int(n) for n in args.colocated_threads.split(",") if n]:
         t0 = time.monotonic()
@@ -375,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     load_after = os.getloadavg()
     print_table(results)
     ratios = {}
-    disagg = results.get("disaggregated 1P+1D x1t")
+    disagg = results.get("disaggregated 1P+1D")
     for name, r in results.items():
         if disagg is not None and name.startswith("colocated"):
             ratios[name] = {"tpot_p99": disagg["tpot_p99_ms"] / r["tpot_p99_ms"],
@@ -384,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, ratio) in enumerate(ratios.items()):
         tag = "headline" if i == 0 else "also"
         if name.endswith("x1t"):
-            tag += " (1 torch thread per engine, as each worker has; colocated then uses 1 core, disaggregated 2)"
+            tag += " (colocated on 1 torch thread: 1 core; disaggregated uses 2)"
         print(f"{tag}: P99 TPOT disaggregated / {name} = {ratio['tpot_p99']:.2f}; "
               f"throughput disaggregated / {name} = {ratio['throughput']:.2f}")
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (other work on the machine "

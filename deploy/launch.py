@@ -177,14 +177,15 @@ class WorkerProcess(ServiceProcess):
 
     def __init__(self, role: str, flags: list[str], *, stderr: IO[bytes] | None = None,
                  env: dict[str, str] | None = None, start_timeout_s: float = 120.0, wait: bool = True,
-                 die_with_parent: bool = False, stderr_tail: int = 0) -> None:
+                 die_with_parent: bool = False, stderr_tail: int = 0, nice: int = 0) -> None:
         """Spawn the worker; with ``wait`` (default) return only once it is ready. Start several
         with ``wait=False`` and call ``wait_ready`` on each to load their models in parallel."""
         if role not in ROLES:
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role = role
         super().__init__(f"{role} worker", [sys.executable, "-m", f"{role}_worker", *flags], READY_PREFIX,
-                         stderr=stderr, env=env, die_with_parent=die_with_parent, stderr_tail=stderr_tail)
+                         stderr=stderr, env=env, die_with_parent=die_with_parent, stderr_tail=stderr_tail,
+                         nice=nice)
         if wait:
             self.wait_ready(start_timeout_s)
 
