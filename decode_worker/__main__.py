@@ -13,6 +13,7 @@ import kvtransfer
 from decode_worker.ranks import DecodeRank
 from decode_worker.servicer import DecodeServicer, PrefillClients
 from decode_worker.worker import DecodeLoop
+from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from engine.serving.fingerprint import worker_fingerprint
@@ -23,9 +24,7 @@ from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 DESCRIPTOR_KEY = "decode-kv-descriptor/{rank}"   # in the TP group's store: each rank's region
 
 
-def _receiver(worker, runner: ModelRunner) -> kvtransfer.Receiver:
-    pool = runner.kv_pool
-    rank = 0 if runner.group is None else runner.group.rank
+def _receiver(worker, pool: KVPool, rank: int) -> kvtransfer.Receiver:
     return kvtransfer.create_receiver(pool.tensor, kvtransfer.KVLayout.of_pool(pool.tensor, tp_rank=rank),
                                       worker.kv_backend, shm_path=None if pool.shm_path is None else str(pool.shm_path),
                                       host=worker.host, lease_s=worker.kv_lease_s,
@@ -35,9 +34,9 @@ def _receiver(worker, runner: ModelRunner) -> kvtransfer.Receiver:
 def build(worker, model_config, cache_config, scheduler_config, parallel_config) -> WorkerParts:
     engine = LLMEngine(model_config, cache_config, scheduler_config, parallel_config=parallel_config)
     try:
-        receiver = _receiver(worker, engine.runner)
+        receiver = _receiver(worker, engine.kv_pool, 0)
         descriptor = receiver.descriptor.to_bytes()
-        group = engine.runner.group
+        group = engine.tp_group
         if group is not None:   # followers publish their regions once registered
             descriptor = kvtransfer.join_descriptors(
                 [descriptor, *(bytes(group.store.get(DESCRIPTOR_KEY.format(rank=r))) for r in range(1, group.size))])
@@ -46,7 +45,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
         raise
     metrics = WorkerMetrics("decode")
     prefill = PrefillClients(worker.cluster_secret)
-    servicer = DecodeServicer(prefill, fingerprint=str(worker_fingerprint(engine.runner)))
+    servicer = DecodeServicer(prefill, fingerprint=str(worker_fingerprint(engine)))
     loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination, descriptor)
     servicer.attach(loop)
 
@@ -61,7 +60,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
 
 def follow(worker, runner: ModelRunner) -> DecodeRank:
     """A follower rank's receiver, announced to rank 0 through the group's store."""
-    receiver = _receiver(worker, runner)
+    receiver = _receiver(worker, runner.kv_pool, runner.group.rank)
     runner.group.store.set(DESCRIPTOR_KEY.format(rank=runner.group.rank), receiver.descriptor.to_bytes())
     return DecodeRank(receiver)
 

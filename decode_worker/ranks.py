@@ -2,46 +2,41 @@
 
 Each TP rank of a decode worker registers its own KV pool shard (its KV heads) with a
 kvtransfer receiver; prefill rank r writes into decode rank r. Rank 0's DecodeLoop changes
-receiver state on every rank through mirrored ops (engine/tp_role.py):
-
-- ``["expect", request_id, block_ids, num_layers, lease_s]``: announce a reservation;
-- ``["cancel", request_id, reason]`` / ``["release", request_id]``;
-- ``["fence", request_id, reason]``: the request moves to another prefill worker; the writers
-  so far are refused from now on (kvtransfer ``Receiver.fence``);
-- ``["poll", [request_id, ...]]``: reply ``[done, freeable, not_failed]`` per request, so after
-  the min-reduce rank 0 knows whether *every* rank has the transfer done (or freeable).
+receiver state on every rank through mirrored ops (decode_worker/ops.py, engine/tp_role.py):
+``Expect`` a reservation, ``Cancel`` or ``Release`` it, ``Fence`` its writers when the request
+moves to another prefill worker, and ``Poll`` transfers, whose reply is min-reduced so rank 0
+knows whether *every* rank has the transfer done (or freeable).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import kvtransfer
-from engine.tp_role import RoleHandler
-
-POLL_FIELDS = 3   # done, freeable, not_failed
+from decode_worker.ops import OP_TYPES, Cancel, Expect, Fence, Poll, Release
+from engine.tp_role import MirroredOp, RoleHandler
 
 
 class DecodeRank(RoleHandler):
+    OP_TYPES = OP_TYPES
+
     def __init__(self, receiver: kvtransfer.Receiver) -> None:
         self.receiver = receiver
 
-    def apply(self, ops: list[Any]) -> list[int]:
+    def apply(self, ops: list[MirroredOp]) -> list[int]:
         reply: list[int] = []
         for op in ops:
-            name = op[0]
-            if name == "expect":
-                self.receiver.expect(op[1], op[2], op[3], op[4])
-            elif name == "cancel":
-                self.receiver.cancel(op[1], op[2])
-            elif name == "release":
-                self.receiver.release(op[1])
-            elif name == "fence":
-                self.receiver.fence(op[1], op[2])
-            elif name == "poll":
-                for request_id in op[1]:
-                    reply += self._poll(request_id)
-            else:
-                raise ValueError(f"unknown decode rank op {name!r}")
+            match op:
+                case Expect():
+                    self.receiver.expect(op.request_id, op.block_ids, op.num_layers, op.lease_s)
+                case Cancel():
+                    self.receiver.cancel(op.request_id, op.reason)
+                case Release():
+                    self.receiver.release(op.request_id)
+                case Fence():
+                    self.receiver.fence(op.request_id, op.reason)
+                case Poll():
+                    for request_id in op.request_ids:
+                        reply += self._poll(request_id)
+                case _:
+                    raise ValueError(f"unknown decode rank op {op!r}")
         return reply
 
     def _poll(self, request_id: str) -> list[int]:

@@ -91,7 +91,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def attach(self, loop: DecodeLoop) -> None:
         """Wire the engine thread (built after this servicer, since it calls send_destination)."""
         self.loop = loop
-        self.vocab_size = loop.engine.runner.arch.vocab_size
+        self.vocab_size = loop.engine.arch.vocab_size
         self.max_model_len = loop.engine.max_model_len
         loop.deliver = self._deliver
 

@@ -27,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import kvtransfer
-from decode_worker.ranks import POLL_FIELDS, DecodeRank
+from decode_worker.ops import POLL_FIELDS, Cancel, Expect, Fence, Poll, Release
+from decode_worker.ranks import DecodeRank
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.serving.config import WorkerConfig
@@ -97,7 +98,7 @@ class DecodeLoop(EngineLoop):
         self.config = config
         self.metrics = metrics
         self.receiver = receiver
-        self.ranks = MirroredOps(DecodeRank(receiver), engine.runner.leader)
+        self.ranks = MirroredOps(DecodeRank(receiver), engine.tp_leader)
         self.descriptor = descriptor if descriptor is not None else receiver.descriptor.to_bytes()
         self.send_destination = send_destination   # schedules Prefill.SetDestination off-thread
         self.jobs: dict[str, DecodeJob] = {}
@@ -111,7 +112,7 @@ class DecodeLoop(EngineLoop):
         # Called on the engine thread with each batch of events, in order; the gRPC servicer
         # sets it to hand the batch to its asyncio loop in one thread-safe call.
         self.deliver: Callable[[EventBatch], None] = deliver_in_place
-        metrics.kv_blocks_total.set(engine.allocator.num_blocks)
+        metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
 
     # -- commands (engine thread) ----------------------------------------------------------
     def add(self, job: DecodeJob) -> None:
@@ -132,7 +133,7 @@ class DecodeLoop(EngineLoop):
             self.prealloc.remove(request_id)
         elif job.state == DecodeState.TRANSFERRING:
             del self.transferring[request_id]
-            self.ranks.run([["cancel", request_id, "aborted at the decode worker"]])
+            self.ranks.run([Cancel(request_id, "aborted at the decode worker")])
             self.cancelled[request_id] = job.block_ids  # freed once no writer can touch them
         else:
             self.engine.abort_request(request_id)
@@ -153,7 +154,7 @@ class DecodeLoop(EngineLoop):
             # blocks, so a late write or notify of its own can neither count as the new one's
             # nor complete, renew or cancel the transfer.
             try:
-                self.ranks.run([["fence", request_id, f"moved to prefill worker {prefill_address}"]])
+                self.ranks.run([Fence(request_id, f"moved to prefill worker {prefill_address}")])
             except ValueError:
                 return False   # the transfer just ended (done or failed): the next poll settles it
         job.prefill_address = prefill_address
@@ -188,7 +189,7 @@ class DecodeLoop(EngineLoop):
         return 0.002 if self.transferring or self.cancelled else 0.05
 
     def _admit(self) -> None:
-        block_size = self.engine.allocator.block_size
+        block_size = self.engine.block_size
         pending_future = sum(j.params.max_tokens for j in self.transferring.values())
         admitted: list[DecodeJob] = []
         while self.prealloc:
@@ -196,14 +197,12 @@ class DecodeLoop(EngineLoop):
             # Room for the prompt and the first token (unless the prompt already fills
             # max_model_len: then the first token ends the request and is never cached).
             num_tokens = min(len(job.prompt_token_ids) + 1, self.engine.max_model_len)
-            num_blocks = -(-num_tokens // block_size)
-            if not self.engine.scheduler.can_reserve(num_blocks, pending_future + job.params.max_tokens):
-                if self.engine.scheduler.running or self.transferring:
-                    break  # wait for running requests to finish
-                if num_blocks > self.engine.allocator.num_free_blocks:
-                    break
+            block_ids = self.engine.reserve_blocks(num_tokens, pending_future + job.params.max_tokens,
+                                                   transfers_pending=bool(self.transferring))
+            if block_ids is None:
+                break  # wait for room
             self.prealloc.popleft()
-            job.block_ids = self.engine.allocator.allocate(num_blocks)
+            job.block_ids = block_ids
             # The first token's K/V is computed here, so only the prompt's blocks are written.
             job.transfer_block_ids = job.block_ids[:-(-len(job.prompt_token_ids) // block_size)]
             job.state = DecodeState.TRANSFERRING
@@ -215,8 +214,8 @@ class DecodeLoop(EngineLoop):
             return
         # Every rank expects the writes before any prefill rank can learn where to write (the
         # reply is the followers' acknowledgement).
-        num_layers = self.engine.runner.arch.num_layers
-        self.ranks.run([["expect", j.request_id, j.transfer_block_ids, num_layers, self.config.kv_lease_s]
+        num_layers = self.engine.arch.num_layers
+        self.ranks.run([Expect(j.request_id, j.transfer_block_ids, num_layers, self.config.kv_lease_s)
                         for j in admitted], reply=True)
         for job in admitted:
             self.send_destination(job, self.descriptor)
@@ -225,17 +224,17 @@ class DecodeLoop(EngineLoop):
         request_ids = [*self.transferring, *self.cancelled]
         if not request_ids:
             return
-        codes = self.ranks.run([["poll", request_ids]], reply=True)  # min over ranks
+        codes = self.ranks.run([Poll(request_ids)], reply=True)  # min over ranks
         for i, request_id in enumerate(request_ids):
             all_done, all_freeable, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
             job = self.transferring.get(request_id)
             if job is None:   # cancelled: free once no rank's writer can touch the blocks
                 if all_freeable:
-                    self.ranks.run([["release", request_id]])
-                    self.engine.allocator.free(self.cancelled.pop(request_id)[::-1])
+                    self.ranks.run([Release(request_id)])
+                    self.engine.free_blocks(self.cancelled.pop(request_id))
             elif all_done:
                 payload = self.receiver.result(request_id).payload   # rank 0's notify
-                self.ranks.run([["release", request_id]])
+                self.ranks.run([Release(request_id)])
                 del self.transferring[request_id]
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.reserved_s)
                 problem = self._check_payload(payload)
@@ -243,14 +242,14 @@ class DecodeLoop(EngineLoop):
                     self._start_decoding(job, payload)
                 else:   # the KV landed, but nothing may be decoded from it: fail this request only
                     self.jobs.pop(request_id, None)
-                    self.engine.allocator.free(job.block_ids[::-1])
+                    self.engine.free_blocks(job.block_ids)
                     logger.warning("bad notify from the prefill worker request_id=%s: %s", request_id, problem)
                     self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker sent {problem}")))
             elif not none_failed:
                 # Failed on some rank: stop the others too; the blocks go once all are freeable.
                 result = self.receiver.result(request_id)
                 reason = result.reason if result.status.terminal else "KV transfer failed on another TP rank"
-                self.ranks.run([["cancel", request_id, reason]])
+                self.ranks.run([Cancel(request_id, reason)])
                 del self.transferring[request_id]
                 self.cancelled[request_id] = job.block_ids
                 self.jobs.pop(request_id, None)
@@ -262,7 +261,7 @@ class DecodeLoop(EngineLoop):
     def _check_payload(self, payload: kvtransfer.NotifyPayload) -> str | None:
         """What is wrong with a prefill worker's notify (its token ids index the embedding and
         the vocabulary of every later step), or None."""
-        vocab = self.engine.runner.arch.vocab_size
+        vocab = self.engine.arch.vocab_size
         if not 0 <= payload.first_token_id < vocab:
             return f"first token id {payload.first_token_id}, outside the vocabulary [0, {vocab})"
         bad = next((t for t, _ in payload.top_logprobs if not 0 <= t < vocab), None)
@@ -280,7 +279,7 @@ class DecodeLoop(EngineLoop):
                                             payload.first_token_id, first_logprobs)
         except ValueError as exc:   # the first token does not follow the request's grammar
             self.jobs.pop(job.request_id, None)
-            self.engine.allocator.free(job.block_ids[::-1])
+            self.engine.free_blocks(job.block_ids)
             logger.warning("cannot start decoding request_id=%s: %s", job.request_id, exc)
             self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker's first token: {exc}")))
             return
@@ -317,40 +316,39 @@ class DecodeLoop(EngineLoop):
 
     # -- observability -------------------------------------------------------------------------
     def _update_gauges(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.running.set(len(sched.running))
-        self.metrics.waiting.set(len(sched.waiting))
+        stats = self.engine.stats()
+        self.metrics.running.set(stats.num_running)
+        self.metrics.waiting.set(stats.num_waiting)
         self.metrics.preallocated.set(len(self.prealloc))
         self.metrics.transferring.set(len(self.transferring))
-        self.metrics.kv_usage.set(self.engine.allocator.usage)
-        if sched.num_retracted_total > self._retractions_seen:
-            self.metrics.retractions.inc(sched.num_retracted_total - self._retractions_seen)
-            self._retractions_seen = sched.num_retracted_total
+        self.metrics.kv_usage.set(stats.kv_usage)
+        if stats.num_retractions > self._retractions_seen:
+            self.metrics.retractions.inc(stats.num_retractions - self._retractions_seen)
+            self._retractions_seen = stats.num_retractions
 
     def stats(self) -> dict[str, float]:
-        alloc = self.engine.allocator
-        return {"role": "decode", "num_running": len(self.engine.scheduler.running),
-                "num_waiting": len(self.engine.scheduler.waiting), "num_preallocated": len(self.prealloc),
-                "num_transferring": len(self.transferring), "kv_blocks_used": alloc.num_used_blocks,
-                "kv_blocks_total": alloc.num_blocks, "gen_tokens_per_s": self._gen_rate(time.monotonic()),
-                "prefix_cache_queries": alloc.num_prefix_queries_tokens,
-                "prefix_cache_hits": alloc.num_prefix_hit_tokens,
-                "num_retractions": self.engine.scheduler.num_retracted_total,
+        stats = self.engine.stats()
+        return {"role": "decode", "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "num_preallocated": len(self.prealloc), "num_transferring": len(self.transferring),
+                "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
+                "gen_tokens_per_s": self._gen_rate(time.monotonic(), stats.num_generated_tokens),
+                "prefix_cache_queries": stats.num_prefix_queried_tokens,
+                "prefix_cache_hits": stats.num_prefix_hit_tokens, "num_retractions": stats.num_retractions,
                 "model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
-    def _gen_rate(self, now: float) -> float:
+    def _gen_rate(self, now: float, num_generated_tokens: int) -> float:
         elapsed = max(now - self._last_log_s, 1e-6)
-        return (self.engine.num_generated_tokens_total - self._gen_tokens_logged) / elapsed
+        return (num_generated_tokens - self._gen_tokens_logged) / elapsed
 
     def log_stats(self, now: float) -> None:
-        generated = self.engine.num_generated_tokens_total - self._gen_tokens_logged
+        stats = self.engine.stats()
+        generated = stats.num_generated_tokens - self._gen_tokens_logged
         if generated:
             self.metrics.generation_tokens.inc(generated)
-        running = self.engine.scheduler.running
-        if running or generated:
+        if stats.num_running or generated:
             logger.info("Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
-                        "gen throughput (token/s): %.2f, #queue-req: %d", len(running),
-                        sum(s.num_tokens for s in running), self.engine.allocator.usage, self._gen_rate(now),
-                        len(self.prealloc) + len(self.engine.scheduler.waiting))
-        self._gen_tokens_logged = self.engine.num_generated_tokens_total
+                        "gen throughput (token/s): %.2f, #queue-req: %d", stats.num_running,
+                        stats.num_running_tokens, stats.kv_usage, self._gen_rate(now, stats.num_generated_tokens),
+                        len(self.prealloc) + stats.num_waiting)
+        self._gen_tokens_logged = stats.num_generated_tokens
         self._last_log_s = now

@@ -11,7 +11,11 @@ from dataclasses import dataclass, field, replace
 
 from engine.block_manager import BlockAllocator
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
+from engine.distributed import Leader, TPGroup
+from engine.kv_cache import KVPool
 from engine.model_runner import ModelRunner
+from engine.model_source import ModelSource
+from engine.models.arch import ArchConfig
 from engine.sampler import Sampler, SamplerOutput, SamplingRequest, advance_generator, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -30,6 +34,28 @@ class StepOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's load and capacity at one moment; a worker's logs, metrics and Stats RPC all
+    read it. The ``num_*_tokens`` and ``num_retractions`` are running totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_running_tokens: int           # prompt + output tokens of the running requests
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_prefix_queried_tokens: int    # prompt tokens looked up in the prefix cache
+    num_prefix_hit_tokens: int        # of those, found there
+    num_retractions: int
+    num_prompt_tokens: int            # computed by prefill chunks
+    num_generated_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of blocks referenced by at least one request, in [0, 1]."""
+        return self.kv_blocks_used / self.kv_blocks_total
 
 
 class LLMEngine:
@@ -155,6 +181,71 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    # -- what a worker role reads and reserves (its only way into the engine) -------------------
+    @property
+    def block_size(self) -> int:
+        return self.allocator.block_size
+
+    @property
+    def arch(self) -> ArchConfig:
+        return self.runner.arch
+
+    @property
+    def model_source(self) -> ModelSource:
+        return self.runner.source
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.runner.parallel
+
+    @property
+    def kv_pool(self) -> KVPool:
+        """This rank's KV pool, which kvtransfer reads from (prefill) or registers (decode)."""
+        assert self.runner.kv_pool is not None, "the KV pool is allocated in __init__"
+        return self.runner.kv_pool
+
+    @property
+    def tp_group(self) -> TPGroup | None:
+        return self.runner.group
+
+    @property
+    def tp_leader(self) -> Leader | None:
+        """Rank 0's side of the TP group (None without TP), to mirror role ops on."""
+        return self.runner.leader
+
+    def num_cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens the prefix cache holds now, in whole blocks (a look: nothing is taken)."""
+        return self.allocator.peek_prefix_blocks(prompt_token_ids) * self.allocator.block_size
+
+    def reserve_blocks(self, num_tokens: int, num_future_tokens: int, transfers_pending: bool) -> list[int] | None:
+        """Blocks for ``num_tokens`` tokens whose KV another process writes (a decode worker's
+        prompt, from its prefill worker), or None: wait. They are taken when they fit beside the
+        output room running requests are expected to need plus ``num_future_tokens`` (the
+        scheduler's estimate), or, with nothing running and no other transfer pending, whenever
+        they are free, so a long request is not kept out by room only it would use. Hand them to
+        ``add_prefilled`` or back to ``free_blocks``."""
+        num_blocks = -(-num_tokens // self.allocator.block_size)
+        if not self.scheduler.can_reserve(num_blocks, num_future_tokens):
+            if self.scheduler.running or transfers_pending:
+                return None   # wait for running requests to finish
+            if num_blocks > self.allocator.num_free_blocks:
+                return None
+        return self.allocator.allocate(num_blocks)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        """Give back blocks from ``reserve_blocks`` that no request adopted."""
+        self.allocator.free(block_ids[::-1])   # tail first: a prompt's last blocks are evicted first
+
+    def stats(self) -> EngineStats:
+        alloc, sched = self.allocator, self.scheduler
+        return EngineStats(
+            num_running=len(sched.running), num_waiting=len(sched.waiting),
+            num_running_tokens=sum(s.num_tokens for s in sched.running),
+            kv_blocks_used=alloc.num_used_blocks, kv_blocks_total=alloc.num_blocks,
+            num_prefix_queried_tokens=alloc.num_prefix_queries_tokens,
+            num_prefix_hit_tokens=alloc.num_prefix_hit_tokens, num_retractions=sched.num_retracted_total,
+            num_prompt_tokens=self.num_prompt_tokens_total, num_generated_tokens=self.num_generated_tokens_total)
 
     # -- one step ---------------------------------------------------------------------------
     def step(self, after_layer: Callable[[int, ScheduledBatch], None] | None = None,

@@ -45,7 +45,7 @@ class Follower:
                 self.runner.execute_step(StepInputs.from_wire(body["inputs"]),
                                          self.handler.after_layer(body["extra"]))
             elif kind == OPS:
-                reply = self.handler.apply(body["ops"])
+                reply = self.handler.apply(self.handler.decode(body["ops"]))
                 if body["reply"]:
                     group.all_min(reply)
             else:

@@ -25,7 +25,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
                        parallel_config=parallel_config)
     metrics = WorkerMetrics("prefill")
     loop = PrefillLoop(engine, worker, metrics)
-    servicer = PrefillServicer(loop, str(worker_fingerprint(engine.runner)))
+    servicer = PrefillServicer(loop, str(worker_fingerprint(engine)))
 
     def close() -> None:
         loop.close()

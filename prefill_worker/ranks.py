@@ -2,17 +2,10 @@
 
 Prefill rank r holds KV heads r of every computed prompt and writes them into decode rank r's
 pool, through its own senders. Rank 0's PrefillLoop drives every rank with mirrored ops
-(engine/tp_role.py) and the per-layer write plan it sends with each step:
-
-- ``["open", request_id, descriptors, dst_block_ids]``: the decode worker's region blob (one
-  descriptor per decode rank, ``kvtransfer.join_descriptors``); this rank opens
-  ``descriptors[rank]`` and refuses block ids outside that region;
-- ``["write", request_id, layers, src_block_ids, dst_block_ids]``, ``["notify", request_id, payload]``;
-- ``["cancel", request_id, reason]``, ``["cancel_at", descriptors, request_id, reason]`` (a
-  destination that came before its Submit), ``["forget", request_id]``;
-- ``["poll", [request_id, ...]]``: reply ``[all ops done, none failed]`` per request;
-- the step's ``extra["writes"]``: ``[request_id, src_block_ids, dst_block_ids]`` to write after
-  every layer of that forward.
+(prefill_worker/ops.py, engine/tp_role.py) and the per-layer write plan it sends with each step:
+the step's ``extra["writes"]``, ``[request_id, src_block_ids, dst_block_ids]`` to write after
+every layer of that forward. An ``Open`` names the decode worker's region blob (one descriptor
+per decode rank); this rank opens ``descriptors[rank]``.
 
 Rank 0 applies an op before the followers do, so a bad destination (a TP size mismatch, a
 layout mismatch, block ids outside the region) is refused there and mirrored nowhere; a
@@ -38,11 +31,10 @@ from typing import Any
 import torch
 
 import kvtransfer
-from engine.tp_role import RoleHandler
+from engine.tp_role import MirroredOp, RoleHandler
+from prefill_worker.ops import OP_TYPES, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
 
 logger = logging.getLogger(__name__)
-
-POLL_FIELDS = 2   # all done, none failed
 
 
 class _SenderUse:
@@ -55,16 +47,9 @@ class _SenderUse:
         self.progress_s = time.monotonic()   # last op finished, first op queued, or last opened
 
 
-def payload_to_wire(p: kvtransfer.NotifyPayload) -> list[Any]:
-    return [p.first_token_id, p.first_logprob, [list(t) for t in p.top_logprobs], p.num_prompt_tokens,
-            p.num_cached_tokens]
-
-
-def payload_from_wire(w: list[Any]) -> kvtransfer.NotifyPayload:
-    return kvtransfer.NotifyPayload(w[0], w[1], tuple((int(t), float(lp)) for t, lp in w[2]), w[3], w[4])
-
-
 class PrefillRank(RoleHandler):
+    OP_TYPES = OP_TYPES
+
     def __init__(self, pool: torch.Tensor, tp_rank: int, tp_size: int, backend: str,
                  fabric: kvtransfer.FakeFabric | None = None, stall_s: float = 30.0,
                  secret: str | None = None) -> None:
@@ -83,37 +68,38 @@ class PrefillRank(RoleHandler):
         self._use_lock = threading.Lock()                  # done-callbacks run on sender threads
 
     # -- ops ---------------------------------------------------------------------------------
-    def apply(self, ops: list[Any]) -> list[int]:
+    def apply(self, ops: list[MirroredOp]) -> list[int]:
         reply: list[int] = []
         for op in ops:
-            name, args = op[0], op[1:]
-            if name == "open":
-                self._evict_stalled()
-                self._open(*args)
-            elif name == "write":
-                self.write(*args)
-            elif name == "notify":
-                self._track(args[0], lambda s: s.notify(args[0], payload_from_wire(args[1])))
-            elif name == "cancel":
-                sender = self.requests.get(args[0])
-                if sender is not None:
-                    try:
-                        sender.cancel(args[0], args[1])
-                    except kvtransfer.SenderClosed:
-                        pass   # evicted: nothing of this request can be written any more
-            elif name == "cancel_at":
-                self._cancel_at(*args)
-            elif name == "forget":
-                self.requests.pop(args[0], None)
-                self.futures.pop(args[0], None)
-            elif name == "poll":
-                self._evict_stalled()
-                for request_id in args[0]:
-                    futures = self.futures.get(request_id, [])
-                    reply += [int(all(f.done() for f in futures)),
-                              int(not any(f.done() and f.exception() is not None for f in futures))]
-            else:
-                raise ValueError(f"unknown prefill rank op {name!r}")
+            match op:
+                case Open():
+                    self._evict_stalled()
+                    self._open(op.request_id, op.descriptors, op.dst_block_ids)
+                case Write():
+                    self.write(op.request_id, op.layers, op.src_block_ids, op.dst_block_ids)
+                case Notify():
+                    request_id, payload = op.request_id, op.payload
+                    self._track(request_id, lambda s: s.notify(request_id, payload))
+                case Cancel():
+                    sender = self.requests.get(op.request_id)
+                    if sender is not None:
+                        try:
+                            sender.cancel(op.request_id, op.reason)
+                        except kvtransfer.SenderClosed:
+                            pass   # evicted: nothing of this request can be written any more
+                case CancelAt():
+                    self._cancel_at(op.descriptors, op.request_id, op.reason)
+                case Forget():
+                    self.requests.pop(op.request_id, None)
+                    self.futures.pop(op.request_id, None)
+                case Poll():
+                    self._evict_stalled()
+                    for request_id in op.request_ids:
+                        futures = self.futures.get(request_id, [])
+                        reply += [int(all(f.done() for f in futures)),
+                                  int(not any(f.done() and f.exception() is not None for f in futures))]
+                case _:
+                    raise ValueError(f"unknown prefill rank op {op!r}")
         return reply
 
     def after_layer(self, extra: dict[str, Any]) -> Callable[[int], None] | None:

@@ -22,7 +22,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, loop: PrefillLoop, fingerprint: str) -> None:
         self.loop = loop
         self.fingerprint = fingerprint
-        self.vocab_size = loop.engine.runner.arch.vocab_size
+        self.vocab_size = loop.engine.arch.vocab_size
         self.max_model_len = loop.engine.max_model_len
 
     async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):

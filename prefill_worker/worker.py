@@ -26,8 +26,9 @@ from engine.scheduler import ScheduledBatch
 from engine.serving.config import WorkerConfig
 from engine.serving.loop import EngineLoop
 from engine.serving.metrics import WorkerMetrics
-from engine.tp_role import MirroredOps
-from prefill_worker.ranks import POLL_FIELDS, PrefillRank, payload_to_wire
+from engine.tp_role import MirroredOp, MirroredOps
+from prefill_worker.ops import POLL_FIELDS, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
+from prefill_worker.ranks import PrefillRank
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +67,10 @@ class PrefillLoop(EngineLoop):
         self.config = config
         self.metrics = metrics
         self.fabric = fabric
-        group = engine.runner.group
-        self.rank = PrefillRank(engine.runner.kv_pool.tensor, 0, 1 if group is None else group.size,
+        self.rank = PrefillRank(engine.kv_pool.tensor, 0, engine.parallel.tensor_parallel_size,
                                 config.kv_backend, fabric, stall_s=config.kv_lease_s,
                                 secret=config.cluster_secret or None)
-        self.ranks = MirroredOps(self.rank, engine.runner.leader)
+        self.ranks = MirroredOps(self.rank, engine.tp_leader)
         self.layout = self.rank.layout
         self.tp_size = self.rank.tp_size
         self.jobs: dict[str, PrefillJob] = {}
@@ -79,9 +79,9 @@ class PrefillLoop(EngineLoop):
         self._layer_writes: list[list[Any]] = []   # this step's per-layer writes
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
         self._last_prompt_tokens = 0
-        self._last_prefix = (0, 0)                # allocator's (queried, hit) prefix tokens at the last update
+        self._last_prefix = (0, 0)                # engine's (queried, hit) prefix tokens at the last update
         self._rate_mark = (time.monotonic(), 0)   # (time, prompt tokens) at the last log line
-        metrics.kv_blocks_total.set(engine.allocator.num_blocks)
+        metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
 
     # -- commands (engine thread) ----------------------------------------------------------
     def submit(self, job: PrefillJob) -> int:
@@ -102,7 +102,7 @@ class PrefillLoop(EngineLoop):
             except ValueError:
                 self.abort(job.request_id)  # the Submit is refused: leave nothing computing
                 raise
-        return self.engine.allocator.peek_prefix_blocks(job.prompt_token_ids) * self.engine.allocator.block_size
+        return self.engine.num_cached_prefix_tokens(job.prompt_token_ids)
 
     def set_destination(self, request_id: str, destination: Destination) -> None:
         job = self.jobs.get(request_id)
@@ -111,14 +111,14 @@ class PrefillLoop(EngineLoop):
             return
         if job.destination is not None:
             raise ValueError(f"request_id={request_id!r} already has a destination")
-        num_blocks = -(-len(job.prompt_token_ids) // self.engine.allocator.block_size)
+        num_blocks = -(-len(job.prompt_token_ids) // self.engine.block_size)
         if len(destination.block_ids) != num_blocks:
             raise ValueError(f"request_id={request_id!r}: {len(destination.block_ids)} destination blocks "
                              f"for a prompt that fills {num_blocks}")
         if len(set(destination.block_ids)) != num_blocks:
             raise ValueError(f"request_id={request_id!r}: the destination block ids hold a duplicate")
         # ValueError: refused (a bad descriptor, a layout mismatch, block ids outside the pool).
-        self.ranks.run([["open", request_id, destination.descriptor, destination.block_ids]])
+        self.ranks.run([Open(request_id, destination.descriptor, destination.block_ids)])
         job.destination = destination
         job.destination_s = time.monotonic()
         if job.first is not None:
@@ -136,7 +136,7 @@ class PrefillLoop(EngineLoop):
                 self.ended[request_id] = time.monotonic()
             return early is not None
         if job.destination is not None:
-            self.ranks.run([["cancel", request_id, "aborted at the prefill worker"], ["forget", request_id]])
+            self.ranks.run([Cancel(request_id, "aborted at the prefill worker"), Forget(request_id)])
         # Source blocks are only read by in-flight writes, and the request is cancelled, so
         # they can go back to the pool now.
         self.engine.abort_request(request_id)
@@ -146,7 +146,7 @@ class PrefillLoop(EngineLoop):
         """Tell the decode worker nothing will be written into a destination that came before
         its Submit, so it frees the reserved blocks now, not when their lease runs out."""
         try:
-            self.ranks.run([["cancel_at", destination.descriptor, request_id, "aborted at the prefill worker"]])
+            self.ranks.run([CancelAt(destination.descriptor, request_id, "aborted at the prefill worker")])
         except ValueError as exc:  # a destination we could never have written to
             logger.warning("cannot cancel request_id=%s at its decode worker: %s", request_id, exc)
 
@@ -192,10 +192,10 @@ class PrefillLoop(EngineLoop):
         held = self.engine.held.get(job.request_id)  # finished here, blocks kept for the transfer
         if held is None:
             return
-        ops: list[list[Any]] = []
+        ops: list[MirroredOp] = []
         if not job.layers_shipped:
             src, dst = self._block_pairs(job, held.block_ids)
-            ops.append(["write", job.request_id, list(range(self.layout.num_layers)), src, dst])
+            ops.append(Write(job.request_id, list(range(self.layout.num_layers)), src, dst))
             job.layers_shipped = True
         token = job.first.new_token_ids[0]
         entry = job.first.new_logprobs[0] if job.first.new_logprobs else None
@@ -204,12 +204,12 @@ class PrefillLoop(EngineLoop):
         payload = kvtransfer.NotifyPayload(
             first_token_id=token, first_logprob=None if entry is None else entry[token], top_logprobs=top,
             num_prompt_tokens=len(job.prompt_token_ids), num_cached_tokens=held.num_prefix_hit_tokens)
-        ops.append(["notify", job.request_id, payload_to_wire(payload)])
+        ops.append(Notify(job.request_id, payload))
         self.ranks.run(ops)
         job.shipping = True
 
     def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:
-        num_blocks = -(-len(job.prompt_token_ids) // self.engine.allocator.block_size)
+        num_blocks = -(-len(job.prompt_token_ids) // self.engine.block_size)
         return src_block_ids[:num_blocks], job.destination.block_ids[:num_blocks]
 
     def _reap(self) -> None:
@@ -224,8 +224,8 @@ class PrefillLoop(EngineLoop):
         shipped = [r for r, j in self.jobs.items() if j.first is not None and j.shipping]
         if not shipped:
             return
-        codes = self.ranks.run([["poll", shipped]], reply=True)   # min over ranks
-        finished = []
+        codes = self.ranks.run([Poll(shipped)], reply=True)   # min over ranks
+        finished: list[MirroredOp] = []
         for i, request_id in enumerate(shipped):
             all_done, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
             if not all_done:
@@ -240,7 +240,7 @@ class PrefillLoop(EngineLoop):
                 self.metrics.kv_transfer_bytes.inc(2 * self.layout.num_layers * self.layout.block_nbytes * self.tp_size
                                                    * len(self._block_pairs(job, job.destination.block_ids)[0]))
             self.engine.release(request_id)
-            finished.append(["forget", request_id])
+            finished.append(Forget(request_id))
         if finished:
             self.ranks.run(finished)
 
@@ -255,46 +255,44 @@ class PrefillLoop(EngineLoop):
 
     # -- observability -------------------------------------------------------------------------
     def _update_gauges(self) -> None:
-        sched = self.engine.scheduler
-        self.metrics.running.set(len(sched.running))
-        self.metrics.waiting.set(len(sched.waiting))
+        stats = self.engine.stats()
+        self.metrics.running.set(stats.num_running)
+        self.metrics.waiting.set(stats.num_waiting)
         self.metrics.transferring.set(sum(1 for j in self.jobs.values() if j.shipping))
-        self.metrics.kv_usage.set(self.engine.allocator.usage)
-        new_tokens = self.engine.num_prompt_tokens_total - self._last_prompt_tokens
+        self.metrics.kv_usage.set(stats.kv_usage)
+        new_tokens = stats.num_prompt_tokens - self._last_prompt_tokens
         if new_tokens:
             self.metrics.prompt_tokens.inc(new_tokens)
             self._interval["new_token"] += new_tokens
-            self._last_prompt_tokens = self.engine.num_prompt_tokens_total
-        alloc = self.engine.allocator
-        # The allocator keeps running totals; the counters take the difference since last time.
-        self.metrics.prefix_queries.inc(alloc.num_prefix_queries_tokens - self._last_prefix[0])
-        self.metrics.prefix_hits.inc(alloc.num_prefix_hit_tokens - self._last_prefix[1])
-        self._last_prefix = (alloc.num_prefix_queries_tokens, alloc.num_prefix_hit_tokens)
+            self._last_prompt_tokens = stats.num_prompt_tokens
+        # The engine keeps running totals; the counters take the difference since last time.
+        self.metrics.prefix_queries.inc(stats.num_prefix_queried_tokens - self._last_prefix[0])
+        self.metrics.prefix_hits.inc(stats.num_prefix_hit_tokens - self._last_prefix[1])
+        self._last_prefix = (stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens)
 
     def stats(self) -> dict[str, float]:
-        alloc = self.engine.allocator
-        return {"role": "prefill", "num_running": len(self.engine.scheduler.running),
-                "num_waiting": len(self.engine.scheduler.waiting), "num_preallocated": 0,
-                "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),
-                "kv_blocks_used": alloc.num_used_blocks, "kv_blocks_total": alloc.num_blocks,
-                "prompt_tokens_per_s": self._prompt_rate(time.monotonic()),
-                "prefix_cache_queries": alloc.num_prefix_queries_tokens,
-                "prefix_cache_hits": alloc.num_prefix_hit_tokens, "num_retractions": 0,
+        stats = self.engine.stats()
+        return {"role": "prefill", "num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "num_preallocated": 0, "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),
+                "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
+                "prompt_tokens_per_s": self._prompt_rate(time.monotonic(), stats.num_prompt_tokens),
+                "prefix_cache_queries": stats.num_prefix_queried_tokens,
+                "prefix_cache_hits": stats.num_prefix_hit_tokens, "num_retractions": 0,
                 "model": self.engine.model_name, "max_model_len": self.engine.max_model_len}
 
-    def _prompt_rate(self, now: float) -> float:
+    def _prompt_rate(self, now: float, num_prompt_tokens: int) -> float:
         at, tokens = self._rate_mark
-        return (self.engine.num_prompt_tokens_total - tokens) / max(now - at, 1e-6)
+        return (num_prompt_tokens - tokens) / max(now - at, 1e-6)
 
     def log_stats(self, now: float) -> None:
+        stats = self.engine.stats()
         counts = self._interval
         if counts["new_seq"] or counts["new_token"]:
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
                         "#queue-req: %d", counts["new_seq"], counts["new_token"],
-                        self.engine.allocator.num_prefix_hit_tokens - counts["cached_token"],
-                        self.engine.allocator.usage, len(self.engine.scheduler.waiting))
-        self._interval = {"new_seq": 0, "new_token": 0, "cached_token": self.engine.allocator.num_prefix_hit_tokens}
-        self._rate_mark = (now, self.engine.num_prompt_tokens_total)
+                        stats.num_prefix_hit_tokens - counts["cached_token"], stats.kv_usage, stats.num_waiting)
+        self._interval = {"new_seq": 0, "new_token": 0, "cached_token": stats.num_prefix_hit_tokens}
+        self._rate_mark = (now, stats.num_prompt_tokens)
 
     def close(self) -> None:
         self.rank.close()

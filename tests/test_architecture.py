@@ -68,3 +68,36 @@ def test_engine_package_and_tokenizer_import_without_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# The workers use LLMEngine's own API (reserve/free blocks, add_prefilled, stats(), kv_pool, ...),
+# never the engine's parts: what reaches in cannot be changed behind its back.
+ENGINE_PARTS = {"allocator", "scheduler", "runner"}
+NARROW_API_USERS = ("prefill_worker", "decode_worker", "engine/serving")
+
+
+def _engine_part_uses(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in ENGINE_PARTS:
+            found.append((node.lineno, f".{node.attr}"))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "setattr")
+              and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and node.args[1].value in ENGINE_PARTS):
+            found.append((node.lineno, f"{node.func.id}(..., {node.args[1].value!r})"))
+    return sorted(found)
+
+
+def test_workers_use_only_the_engines_narrow_api():
+    wrong = [f"{path.relative_to(ROOT)}:{lineno} uses {what}"
+             for folder in NARROW_API_USERS for path in (ROOT / folder).rglob("*.py")
+             for lineno, what in _engine_part_uses(path)]
+    assert not wrong, "workers reach into the engine's parts (use LLMEngine's API):\n" + "\n".join(wrong)
+
+
+def test_engine_part_checker_catches_a_reach_in(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("self.engine.allocator.free(ids)\nn = loop.engine.runner.arch.vocab_size\n"
+                   "q = len(engine.scheduler.waiting)\ngetattr(engine, 'allocator')\nscheduler_config = 1\n")
+    assert _engine_part_uses(bad) == [(1, ".allocator"), (2, ".runner"), (3, ".scheduler"),
+                                      (4, "getattr(..., 'allocator')")]

@@ -143,10 +143,10 @@ def _sample_offsets(size: int) -> list[int]:
     return sorted({last * i // (SAMPLES_PER_FILE - 1) for i in range(SAMPLES_PER_FILE)})
 
 
-def worker_fingerprint(runner) -> Fingerprint:
-    """A worker's fingerprint from its ``engine.model_runner.ModelRunner`` (after loading)."""
-    layout = runner.layout
+def worker_fingerprint(engine) -> Fingerprint:
+    """A worker's fingerprint from its ``engine.llm_engine.LLMEngine`` (after loading)."""
+    layout = engine.kv_pool.layout
     kv = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}/{layout.block_size}"
-    dtype = str(runner.dtype).removeprefix("torch.")
-    tp = f"{runner.parallel.tp_rank}/{runner.parallel.tensor_parallel_size}"
-    return Fingerprint(identity_of(runner.source, runner.arch), dtype, kv, tp)
+    dtype = str(layout.dtype).removeprefix("torch.")
+    tp = f"{engine.parallel.tp_rank}/{engine.parallel.tensor_parallel_size}"
+    return Fingerprint(identity_of(engine.model_source, engine.arch), dtype, kv, tp)

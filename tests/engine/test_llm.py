@@ -326,6 +326,30 @@ def test_abort_mid_generation_frees_blocks(model_dir, make_llm):
     assert engine.step() == []
 
 
+def test_blocks_reserved_for_a_transferred_prompt_are_adopted_or_freed(model_dir, make_llm):
+    """The decode worker's way in: reserve_blocks, add_prefilled or free_blocks, stats()."""
+    engine = make_llm(model_dir).engine   # 64 blocks of 16 tokens
+    assert engine.reserve_blocks(64 * 16 + 1, 0, transfers_pending=False) is None   # more than the pool
+    reserved = engine.reserve_blocks(40, 0, transfers_pending=False)
+    assert reserved == [0, 1, 2] and engine.stats().kv_blocks_used == 3
+    engine.free_blocks(reserved)
+    assert engine.stats().kv_blocks_used == 0
+    # Output room for others counts while other work is under way; alone, free blocks are taken.
+    assert engine.reserve_blocks(16, 10**6, transfers_pending=True) is None
+    prompt = random_prompt(seed=21, num_tokens=17)
+    block_ids = engine.reserve_blocks(len(prompt) + 1, 10**6, transfers_pending=False)
+    assert block_ids == [3, 4]
+    seq = engine.add_prefilled("t", prompt, greedy(3), block_ids, first_token=5)
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_running_tokens, stats.kv_blocks_used, stats.kv_usage) == (1, 18, 2, 2 / 64)
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_token_ids[0] == 5 and len(seq.output_token_ids) == 3
+    stats = engine.stats()
+    assert (stats.num_running, stats.kv_blocks_used, stats.num_generated_tokens) == (0, 0, 3)
+    assert engine.num_cached_prefix_tokens(prompt) == 16   # the prompt's first block stays cached
+
+
 def test_a_bad_prompt_leaves_no_request_behind(model_dir, make_llm):
     llm = make_llm(model_dir)
     with pytest.raises(ValueError, match="empty"):

@@ -25,7 +25,7 @@ class _EngineStandIn:
     """What the servicer needs of DecodeLoop; the test plays the engine thread through ``deliver``."""
 
     def __init__(self) -> None:
-        self.engine = SimpleNamespace(runner=SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB)), max_model_len=64)
+        self.engine = SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB), max_model_len=64)
         self.jobs: dict = {}
         self.deliver = None          # set by DecodeServicer.attach
 

@@ -11,7 +11,8 @@ import torch
 
 import kvtransfer
 from kvtransfer.messages import NotifyPayload
-from prefill_worker.ranks import PrefillRank, payload_to_wire
+from prefill_worker.ops import Forget, Notify, Open, Poll, Write
+from prefill_worker.ranks import PrefillRank
 
 LAYOUT = kvtransfer.KVLayout.from_dtype(torch.float32, block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
 NUM_BLOCKS = 8
@@ -31,7 +32,7 @@ def rank_for(stall_s: float = 30.0) -> PrefillRank:
 
 
 def poll(rank: PrefillRank, request_id: str) -> list[int]:
-    return rank.apply([["poll", [request_id]]])
+    return rank.apply([Poll([request_id])])
 
 
 def test_a_failed_write_fails_its_request_and_stops_renewing_its_lease(decode_pool):
@@ -40,7 +41,7 @@ def test_a_failed_write_fails_its_request_and_stops_renewing_its_lease(decode_po
         descriptor = decode_pool.descriptor.to_bytes()
         decode_pool.expect("r1", [2, 3])
         decode_pool.expect("r2", [4, 5])
-        rank.apply([["open", "r1", descriptor, [2, 3]], ["open", "r2", descriptor, [4, 5]]])
+        rank.apply([Open("r1", descriptor, [2, 3]), Open("r2", descriptor, [4, 5])])
         sender = rank.requests["r1"]
         real_write = sender._writer.write
 
@@ -50,8 +51,8 @@ def test_a_failed_write_fails_its_request_and_stops_renewing_its_lease(decode_po
             return real_write(send, ctx, request_id, *args)
 
         sender._writer.write = failing_write
-        rank.apply([["write", "r1", [0, 1], [0, 1], [2, 3]], ["write", "r2", [0, 1], [0, 1], [4, 5]],
-                    ["notify", "r2", payload_to_wire(NotifyPayload(first_token_id=7, num_prompt_tokens=8))]])
+        rank.apply([Write("r1", [0, 1], [0, 1], [2, 3]), Write("r2", [0, 1], [0, 1], [4, 5]),
+                    Notify("r2", NotifyPayload(first_token_id=7, num_prompt_tokens=8))])
         # The decode side hears at once (well inside the 5 s lease) that r1 will not be filled.
         result = decode_pool.wait("r1", timeout_s=3.0, freeable=True)
         assert result.status is kvtransfer.TransferStatus.CANCELLED, result
@@ -68,10 +69,10 @@ def test_a_sender_whose_decode_worker_died_is_evicted_and_its_requests_fail(deco
     try:
         descriptor = decode_pool.descriptor.to_bytes()
         decode_pool.expect("r1", [0, 1])
-        rank.apply([["open", "r1", descriptor, [0, 1]]])
+        rank.apply([Open("r1", descriptor, [0, 1])])
         decode_pool.close()   # the decode worker is gone: nothing drains the sender's socket
         for _ in range(200):  # more than the socket queues hold: the ops stall
-            rank.apply([["write", "r1", [0], [0, 1], [0, 1]]])
+            rank.apply([Write("r1", [0], [0, 1], [0, 1])])
         deadline = time.monotonic() + 10
         while poll(rank, "r1") != [1, 0]:
             assert time.monotonic() < deadline, "the stalled sender was never evicted"
@@ -87,12 +88,12 @@ def test_a_sender_unused_for_stall_s_is_evicted(decode_pool):
     try:
         descriptor = decode_pool.descriptor.to_bytes()
         decode_pool.expect("r1", [0, 1])
-        rank.apply([["open", "r1", descriptor, [0, 1]], ["write", "r1", [0, 1], [0, 1], [0, 1]],
-                    ["notify", "r1", payload_to_wire(NotifyPayload(first_token_id=1, num_prompt_tokens=8))]])
+        rank.apply([Open("r1", descriptor, [0, 1]), Write("r1", [0, 1], [0, 1], [0, 1]),
+                    Notify("r1", NotifyPayload(first_token_id=1, num_prompt_tokens=8))])
         assert decode_pool.wait("r1", timeout_s=3.0).status is kvtransfer.TransferStatus.DONE
-        rank.apply([["forget", "r1"]])
+        rank.apply([Forget("r1")])
         assert len(rank.senders) == 1
         time.sleep(0.5)
-        assert rank.apply([["poll", []]]) == [] and rank.senders == {}
+        assert rank.apply([Poll([])]) == [] and rank.senders == {}
     finally:
         rank.close()

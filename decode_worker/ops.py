@@ -1,0 +1,60 @@
+"""The ops a decode worker's rank 0 mirrors on every TP rank's receiver (every rank process).
+
+Applied by decode_worker/ranks.py's ``DecodeRank``; see engine/tp_role.py for how they travel
+(``[TAG, *fields]`` over msgpack).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.tp_role import MirroredOp
+
+POLL_FIELDS = 3   # a Poll replies [done, freeable, not failed] per request
+
+
+@dataclass(frozen=True)
+class Expect(MirroredOp):
+    """Announce a reservation: the prompt's KV will be written into ``block_ids``."""
+
+    TAG = "expect"
+    request_id: str
+    block_ids: list[int]
+    num_layers: int
+    lease_s: float
+
+
+@dataclass(frozen=True)
+class Cancel(MirroredOp):
+    TAG = "cancel"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Release(MirroredOp):
+    """The transfer is over and its result read: the receiver forgets the request."""
+
+    TAG = "release"
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Fence(MirroredOp):
+    """The request moves to another prefill worker: its writers so far are refused from now on
+    (kvtransfer ``Receiver.fence``)."""
+
+    TAG = "fence"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Poll(MirroredOp):
+    """Reply ``POLL_FIELDS`` ints per request, so after the min-reduce rank 0 knows whether
+    *every* rank has the transfer done (or its blocks freeable)."""
+
+    TAG = "poll"
+    request_ids: list[str]
+
+
+OP_TYPES: tuple[type[MirroredOp], ...] = (Expect, Cancel, Release, Fence, Poll)
