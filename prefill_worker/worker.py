@@ -107,6 +107,11 @@ class PrefillLoop(EngineLoop):
     def set_destination(self, request_id: str, destination: Destination) -> None:
         job = self.jobs.get(request_id)
         if job is None:
+            if request_id in self.ended:
+                # Its Abort overtook it (two separate RPCs): nothing will be written, so the
+                # decode worker frees the blocks now, not when their lease runs out.
+                self._cancel_early(request_id, destination)
+                return
             self.early[request_id] = (destination, time.monotonic())
             return
         if job.destination is not None:

@@ -133,3 +133,23 @@ def test_pd_twin_moves_a_request_to_another_prefill_worker(pair, make_llm, tiny_
         assert time.monotonic() < deadline
         time.sleep(0.01)
     assert unknown == [False]
+
+
+def test_pd_twin_a_destination_that_comes_after_its_abort_is_cancelled_at_once(pair):
+    """The decode worker's SetDestination and its Abort are separate RPCs to the prefill worker,
+    and the Abort can come first: the late destination is cancelled at the decode worker at
+    once, which frees its blocks now rather than when the 30 s lease runs out."""
+    prefill, decode = pair()
+    aborted: list[bool] = []
+    prefill.call(lambda: aborted.append(prefill.abort("late")))
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    decode.call(lambda: decode.add(DecodeJob("late", [100 + j for j in range(9)], params, "in-process", events.put)))
+    event = events.get(timeout=10)
+    assert aborted == [False]
+    assert "cancelled by sender: aborted at the prefill worker" in event.error, event
+    deadline = time.monotonic() + 10
+    while decode.engine.stats().kv_blocks_used or decode.cancelled:
+        assert time.monotonic() < deadline, "the decode worker's blocks were not freed"
+        time.sleep(0.01)
+    assert "late" not in prefill.early and not decode.jobs
