@@ -2,17 +2,21 @@
 
 The router and the fake workers (tests/router/fake_workers.py, the in-process twins of the worker
 processes) run on one background loop, so the tests can drive them with blocking clients
-(openai, httpx, TandemClient) exactly as users do.
+(openai, httpx, TandemClient) exactly as users do. ``real_cluster`` puts the router in front of
+real worker processes instead.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
+from deploy.launch import WorkerProcess
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import Router
@@ -94,3 +98,45 @@ def fake_cluster(loop_thread, tokenizer) -> Iterator[FakeCluster]:
     cluster = loop_thread.run(start_fake_cluster(tokenizer))
     yield cluster
     loop_thread.run(stop_fake_cluster(cluster))
+
+
+class RealWorker(WorkerProcess):
+    """A real worker process (float32, 1 thread, 16-token blocks) logging to ``log_dir``."""
+
+    def __init__(self, role: str, model: Path, log_dir: Path, *flags: str) -> None:
+        self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")  # noqa: SIM115 - closed by stop
+        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype", "float32",
+                                "--device", "cpu", "--num-threads", "1", "--block-size", "16", "--kv-lease-s", "3",
+                                *flags], stderr=self.log, env={"OMP_NUM_THREADS": "1"})
+        self.address = self.grpc
+
+    def stop(self) -> int:
+        code = super().stop(15)
+        self.log.close()
+        return code
+
+
+def real_cluster(loop_thread: LoopThread, model: Path, roles: tuple[str, ...], log_dir: Path, name: str,
+                 *worker_flags: str) -> Iterator[tuple[Router, dict[str, list[RealWorker]]]]:
+    """A module fixture's body: one RealWorker per entry of ``roles`` and a router (served as
+    ``name``) in front of them, once all are healthy; everything is stopped afterwards."""
+    workers: dict[str, list[RealWorker]] = {"prefill": [], "decode": []}
+    try:
+        for role in roles:
+            workers[role].append(RealWorker(role, model, log_dir, *worker_flags))
+        config = RouterConfig(model=str(model), served_model_name=name, http_port=0, grpc_port=0,
+                              prefill=tuple(w.address for w in workers["prefill"]),
+                              decode=tuple(w.address for w in workers["decode"]),
+                              heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0)
+
+        async def start() -> Router:
+            router = await Router(config, Tokenizer.from_model(str(model))).start()
+            await router.registry.wait_healthy("prefill", len(workers["prefill"]))
+            await router.registry.wait_healthy("decode", len(workers["decode"]))
+            return router
+        router = loop_thread.run(start())
+        yield router, workers
+        loop_thread.run(router.stop())
+    finally:
+        for w in workers["prefill"] + workers["decode"]:
+            w.stop()

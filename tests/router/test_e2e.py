@@ -16,15 +16,12 @@ import httpx
 import openai
 import pytest
 
-from deploy.launch import WorkerProcess as Launched
-from engine.tokenizer import Tokenizer
 from router.client import TandemClient
-from router.config import RouterConfig
 from router.policies.round_robin import RoundRobin
-from router.server import Router
+from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from tests.router.conftest import RealWorker, real_cluster
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,48 +29,11 @@ NAME = "tiny"
 LOG_INTERVAL_S = 0.1    # a decode worker adds to tandem_generation_tokens_total this often
 
 
-class WorkerProcess(Launched):
-    def __init__(self, role: str, model: Path, log_dir: Path) -> None:
-        self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")  # noqa: SIM115
-        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype", "float32",
-                                "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "256",
-                                "--block-size", "16", "--kv-lease-s", "3", "--log-interval-s", str(LOG_INTERVAL_S)],
-                         stderr=self.log, env={"OMP_NUM_THREADS": "1"})
-        self.address = self.grpc
-
-    def kill9(self) -> None:
-        self.kill()
-
-    def stop(self) -> int:
-        code = super().stop(15)
-        self.log.close()
-        return code
-
-
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir, tmp_path_factory, loop_thread):  # noqa: F811 - the imported fixture, by name
-    model = tiny_model_dir("llama")
-    logs = tmp_path_factory.mktemp("router-e2e")
-    workers = {"prefill": [], "decode": []}
-    try:
-        for role in ("prefill", "prefill", "decode", "decode"):
-            workers[role].append(WorkerProcess(role, model, logs))
-        config = RouterConfig(model=str(model), served_model_name=NAME, http_port=0, grpc_port=0,
-                              prefill=tuple(w.address for w in workers["prefill"]),
-                              decode=tuple(w.address for w in workers["decode"]),
-                              heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0)
-
-        async def start():
-            router = await Router(config, Tokenizer.from_model(str(model))).start()
-            await router.registry.wait_healthy("prefill", 2)
-            await router.registry.wait_healthy("decode", 2)
-            return router
-        router = loop_thread.run(start())
-        yield router, workers
-        loop_thread.run(router.stop())
-    finally:
-        for w in workers["prefill"] + workers["decode"]:
-            w.stop()
+    yield from real_cluster(loop_thread, tiny_model_dir("llama"), ("prefill", "prefill", "decode", "decode"),
+                            tmp_path_factory.mktemp("router-e2e"), NAME, "--num-gpu-blocks-override", "256",
+                            "--log-interval-s", str(LOG_INTERVAL_S))
 
 
 def _client(router) -> openai.OpenAI:
@@ -135,7 +95,7 @@ def test_tandem_bench_against_the_real_stack(cluster, tmp_path):
                    ("latency_cdf.png", "tokens_per_s.png", "ttft_vs_prompt_len.png"))
 
 
-def _blocks_used(router, loop_thread, workers: list[WorkerProcess]) -> dict[str, int]:
+def _blocks_used(router, loop_thread, workers: list[RealWorker]) -> dict[str, int]:
     """kv_blocks_used asked of each worker now, through the router's own stubs (its cluster view
     is only as fresh as the last heartbeat)."""
     async def poll() -> dict[str, int]:
@@ -145,7 +105,7 @@ def _blocks_used(router, loop_thread, workers: list[WorkerProcess]) -> dict[str,
     return loop_thread.run(poll())
 
 
-def _generated_tokens(decoders: list[WorkerProcess]) -> float:
+def _generated_tokens(decoders: list[RealWorker]) -> float:
     """Tokens the decode workers generated so far, once their counters stopped moving."""
     def read() -> float:
         total = 0.0
@@ -225,7 +185,7 @@ def test_kill_9_decode_worker_mid_stream(cluster):
 
     def kill(started):
         started.wait(60)                 # every stream has its first chunk
-        workers["decode"][0].kill9()
+        workers["decode"][0].kill()
     before = router.metrics.failovers._value.get()
     _failover_run(router, kill, prompts, max_tokens=120)
     assert router.metrics.failovers._value.get() > before
@@ -246,7 +206,7 @@ def test_kill_9_prefill_worker_mid_stream(cluster, caplog):
 
     def kill(started):
         time.sleep(0.5)                       # requests now wait on the stopped worker
-        victim.kill9()
+        victim.kill()
         started.wait(60)
     before = router.metrics.failovers._value.get()
     with caplog.at_level("WARNING", logger="router.dispatch"):

@@ -9,20 +9,16 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 
 import httpx
 import jsonschema
 import openai
 import pytest
 
-from deploy.launch import WorkerProcess as Launched
-from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import tandem_pb2
 from router.client import InvalidArgument, TandemClient
-from router.config import RouterConfig
-from router.server import Router
 from tests.engine.conftest import smollm2_gguf  # noqa: F401 - session fixture
+from tests.router.conftest import real_cluster
 
 pytestmark = pytest.mark.slow
 NAME = "smol"
@@ -39,44 +35,11 @@ TEAM = {"type": "object",
         "required": ["team", "members"]}
 
 
-class WorkerProcess(Launched):
-    def __init__(self, role: str, model, log_dir) -> None:
-        self.log = open(log_dir / f"{role}-{time.monotonic_ns()}.stderr", "wb")  # noqa: SIM115
-        super().__init__(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype", "float32",
-                                "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "128",
-                                "--block-size", "16", "--max-model-len", "512", "--kv-lease-s", "3"],
-                         stderr=self.log, env={"OMP_NUM_THREADS": "1"})
-        self.address = self.grpc
-
-    def stop(self) -> int:
-        code = super().stop(15)
-        self.log.close()
-        return code
-
-
 @pytest.fixture(scope="module")
 def cluster(smollm2_gguf, tmp_path_factory, loop_thread):  # noqa: F811
-    logs = tmp_path_factory.mktemp("structured-e2e")
-    workers = {"prefill": [], "decode": []}
-    try:
-        for role in ("prefill", "decode", "decode"):
-            workers[role].append(WorkerProcess(role, smollm2_gguf, logs))
-        config = RouterConfig(model=str(smollm2_gguf), served_model_name=NAME, http_port=0, grpc_port=0,
-                              prefill=tuple(w.address for w in workers["prefill"]),
-                              decode=tuple(w.address for w in workers["decode"]),
-                              heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0)
-
-        async def start():
-            router = await Router(config, Tokenizer.from_model(str(smollm2_gguf))).start()
-            await router.registry.wait_healthy("prefill", 1)
-            await router.registry.wait_healthy("decode", 2)
-            return router
-        router = loop_thread.run(start())
-        yield router, workers
-        loop_thread.run(router.stop())
-    finally:
-        for w in workers["prefill"] + workers["decode"]:
-            w.stop()
+    yield from real_cluster(loop_thread, smollm2_gguf, ("prefill", "decode", "decode"),
+                            tmp_path_factory.mktemp("structured-e2e"), NAME, "--num-gpu-blocks-override", "128",
+                            "--max-model-len", "512")
 
 
 def _client(router) -> openai.OpenAI:
