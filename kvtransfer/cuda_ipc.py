@@ -4,10 +4,16 @@ The receiver exports its pool's storage with ``UntypedStorage._share_cuda_()``; 
 bytes and ints travel in the descriptor (msgpack only, no Python object serialization). The sender opens it the way
 torch's own ``rebuild_cuda_tensor`` (multiprocessing) does, copies blocks on its own
 stream after the caller's compute for that layer, synchronizes, then sends ``WriteDone``.
+
+CUDA refuses to open an IPC handle in the process that exported it ("invalid device
+context"), so a sender in the receiver's own process finds the storage the way torch's
+multiprocessing does for that case: export records a weak reference in torch's sharing
+cache, keyed by (handle, offset), and open looks there before calling CUDA.
 """
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef, shared_cache, storage_from_cache
 
 from .blockcopy import copy_blocks
 from .descriptor import CudaIpcHandle, local_host_id
@@ -20,8 +26,10 @@ def export_cuda_pool(pool: torch.Tensor) -> CudaIpcHandle:
     """Receiver side: the IPC handle of the pool's CUDA storage."""
     if pool.device.type != "cuda":
         raise ValueError("cuda-ipc needs a CUDA pool")
+    storage = pool.untyped_storage()
     (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
-     event_sync) = pool.untyped_storage()._share_cuda_()
+     event_sync) = storage._share_cuda_()
+    shared_cache[(bytes(handle), int(offset_bytes))] = StorageWeakRef(storage)
     return CudaIpcHandle(int(device), bytes(handle), int(size_bytes), int(offset_bytes),
                          bytes(ref_handle), int(ref_offset), bytes(event_handle), bool(event_sync),
                          int(pool.storage_offset()))
@@ -33,10 +41,12 @@ def open_cuda_pool(h: CudaIpcHandle, layout: KVLayout, num_blocks: int) -> torch
     needed = (h.tensor_offset + layout.pool_numel(num_blocks)) * layout.itemsize
     if h.storage_size_bytes < needed:
         raise ValueError(f"CUDA IPC storage is {h.storage_size_bytes} bytes, layout needs {needed}")
-    torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(
-        h.device, h.handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
-        h.ref_counter_offset, h.event_handle, h.event_sync_required)
+    storage = storage_from_cache(torch.UntypedStorage, (h.handle, h.storage_offset_bytes))
+    if storage is None:   # another process's pool (or ours, already freed: CUDA then refuses)
+        torch.cuda._lazy_init()
+        storage = torch.UntypedStorage._new_shared_cuda(
+            h.device, h.handle, h.storage_size_bytes, h.storage_offset_bytes, h.ref_counter_handle,
+            h.ref_counter_offset, h.event_handle, h.event_sync_required)
     stride = []
     acc = 1
     for dim in reversed(shape):
