@@ -128,7 +128,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 def _as_device_int32(values: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values.to(device=device, dtype=torch.int32)
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
+    # Not torch.tensor(..., device=device): that copy is blocking, and a blocking host-to-device
+    # copy synchronizes the stream, so every layer's prefill would wait for the GPU to drain.
+    # A non-blocking copy from pageable memory is staged by the driver before it returns.
+    return torch.tensor(list(values), dtype=torch.int32).to(device, non_blocking=True)
 
 
 # ------------------------------------------------------------------------------------ prefill

@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -172,3 +173,38 @@ def test_write_kv_on_cuda(model, dtype, key_dtype):
 @pytest.mark.parametrize("num_splits", [1, 2])
 def test_decode_empty_context_on_cuda(num_splits):
     kernel_checks.check_decode_empty_context("cuda", torch.bfloat16, num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_attention_calls_do_not_wait_for_the_gpu():
+    """The engine passes prefill offsets as host tuples. Making device tensors of them must not
+    synchronize the stream: a blocking copy would make every layer wait for the GPU to drain
+    and leave it idle while the host launches the next kernels."""
+    from tests.engine.attention.paged import make_paged_kv
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    chunks = [(30, 50), (7, 7)]
+    paged = make_paged_kv(gen, [s for _, s in chunks], num_kv_heads=2, head_dim=64, block_size=16,
+                          dtype=torch.bfloat16)
+    query = torch.randn(37, 4, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    kv = torch.randn(37, 2, 64, generator=gen, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(37, device="cuda")
+    lens = torch.tensor([50, 7], dtype=torch.int32, device="cuda")
+
+    def attention_calls():
+        triton_backend.write_kv(kv, kv, paged.k_cache, paged.v_cache, slots)
+        triton_backend.prefill_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                         (0, 30, 37), (50, 7), 0.125)
+        triton_backend.decode_attention(query[:2], paged.k_cache, paged.v_cache, paged.block_tables,
+                                        lens, 50, 0.125)
+
+    attention_calls()  # compile outside the timed call
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # about half a second of GPU time queued ahead
+    started = time.perf_counter()
+    attention_calls()
+    elapsed_s = time.perf_counter() - started
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy and elapsed_s < 0.1, f"the calls took {elapsed_s:.3f} s: they waited for the GPU"
