@@ -8,6 +8,7 @@ import queue
 import time
 
 import pytest
+import torch
 
 import kvtransfer
 from decode_worker.worker import DecodeJob, DecodeLoop
@@ -23,9 +24,10 @@ def pair(tiny_model_dir):
     model_dir = str(tiny_model_dir("llama"))
     made = []
 
-    def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128):
+    def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128,
+             device: str = "cpu"):
         def engine(keep: bool, blocks: int) -> LLMEngine:
-            e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device="cpu", max_model_len=max_model_len),
+            e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device=device, max_model_len=max_model_len),
                           CacheConfig(block_size=4, num_gpu_blocks_override=blocks),
                           SchedulerConfig(chunked_prefill_size=chunked_prefill_size), keep_finished_blocks=keep)
             made.append(e)
@@ -84,8 +86,8 @@ def _tokens(events: queue.SimpleQueue) -> list[int]:
             return tokens
 
 
-def _colocated(make_llm, tiny_model_dir, prompts, params):
-    llm = make_llm(tiny_model_dir("llama"), block_size=4, max_model_len=128)
+def _colocated(make_llm, tiny_model_dir, prompts, params, device: str = "cpu"):
+    llm = make_llm(tiny_model_dir("llama"), block_size=4, max_model_len=128, device=device)
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -96,6 +98,22 @@ def test_pd_twin_matches_colocated_greedy_and_seeded(pair, make_llm, tiny_model_
     prefill, decode = pair(chunked_prefill_size=16)  # the 40- and 64-token prompts take several chunks
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
     # Everything returns: the prefill worker's blocks sit in its prefix cache, the decode pool is empty.
+    assert prefill.engine.allocator.num_used_blocks == 0
+    assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pd_twin_on_cuda_matches_colocated_on_cuda(pair, make_llm, tiny_model_dir):
+    """Both engines on the GPU (Triton attention, CUDA pools): the prefill side's per-layer
+    capture and the block copies into the decode pool run on the device."""
+    prompts = [[(7 * i + 3 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 1])]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4 + \
+             [SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)] * 2
+    prefill, decode = pair(chunked_prefill_size=16, device="cuda")
+    assert decode.engine.runner.kv_pool.tensor.device.type == "cuda"
+    assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params,
+                                                                device="cuda")
     assert prefill.engine.allocator.num_used_blocks == 0
     assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
 
