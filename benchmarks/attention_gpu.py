@@ -5,10 +5,12 @@ A script, not a test. Run from the repo root on a machine with a GPU:
     python -m benchmarks.attention_gpu [--model llama8b] [--dtype bfloat16] [--skip-torch]
 
 Each row is one shape: the median time of each path (``triton.testing.do_bench``), the
-Triton/torch speedup and the relative difference of their outputs. Decode rows report the
-achieved bandwidth over the K/V bytes the batch must read; prefill rows report TFLOP/s over the
-causal score and value products actually needed (2 * 2 * head_dim FLOPs per visible
-query-key pair and head).
+Triton/torch speedup and the relative error ||out - ref|| / ||ref|| of each path against the
+torch path run in float64 on the same (upcast) inputs. Decode rows report the achieved
+bandwidth over the K/V bytes the batch must read; prefill rows report TFLOP/s over the causal
+score and value products actually needed (2 * 2 * head_dim FLOPs per visible query-key pair
+and head) and, where every chunk starts at position 0, the time of dense causal
+``scaled_dot_product_attention`` on contiguous K/V (no paging) as a yardstick.
 """
 from __future__ import annotations
 
@@ -52,7 +54,14 @@ PREFILL_BATCHES = {
 class Workload:
     run_triton: Callable[[], torch.Tensor]
     run_torch: Callable[[], torch.Tensor]
+    run_float64: Callable[[], torch.Tensor]
     work: float  # bytes (decode) or FLOPs (prefill)
+    run_dense: Callable[[], torch.Tensor] | None = None
+
+
+def _float64(args: tuple) -> tuple:
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
 
 
 def _paged_caches(seq_lens: list[int], shape: Shape, block_size: int, dtype: torch.dtype,
@@ -81,8 +90,10 @@ def decode_workload(shape: Shape, batch: int, context: int, block_size: int, dty
     scale = shape.head_dim ** -0.5
     args = (query, k_cache, v_cache, tables, lens, context, scale)
     nbytes = 2 * sum(seq_lens) * shape.num_kv_heads * shape.head_dim * k_cache.element_size()
+    args64 = _float64(args)
     return Workload(lambda: triton_backend.decode_attention(*args),
-                    lambda: torch_backend.decode_attention(*args), nbytes)
+                    lambda: torch_backend.decode_attention(*args),
+                    lambda: torch_backend.decode_attention(*args64), nbytes)
 
 
 def prefill_workload(shape: Shape, chunks: list[tuple[int, int]], block_size: int,
@@ -96,28 +107,68 @@ def prefill_workload(shape: Shape, chunks: list[tuple[int, int]], block_size: in
     # query i of a chunk of length L in a context of S sees S - L + i + 1 keys
     pairs = sum(q * (s - q) + q * (q + 1) // 2 for q, s in chunks)
     flops = 4.0 * pairs * shape.num_heads * shape.head_dim
+    args64 = _float64(args)
+    dense = None
+    if all(q == s for q, s in chunks) and len(set(q_lens)) == 1:
+        # the same attention on contiguous [batch, heads, len, head_dim] tensors, K/V repeated
+        # per query head group (what flash kernels read for GQA), no block table
+        shape_q = (len(q_lens), q_lens[0], shape.num_heads, shape.head_dim)
+        q4 = query.view(shape_q).transpose(1, 2).contiguous()
+        k4 = torch.randn_like(q4)
+        v4 = torch.randn_like(q4)
+        dense = lambda: torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True,  # noqa: E731
+                                                                         scale=scale)
     return Workload(lambda: triton_backend.prefill_attention(*args),
-                    lambda: torch_backend.prefill_attention(*args), flops)
+                    lambda: torch_backend.prefill_attention(*args),
+                    lambda: torch_backend.prefill_attention(*args64), flops, dense)
 
 
-def _measure(workload: Workload, skip_torch: bool) -> tuple[float, float | None, float | None]:
-    """Median ms of Triton, of torch (None when skipped), and their relative difference."""
+@dataclass
+class Measured:
+    triton_ms: float
+    torch_ms: float | None       # None when skipped
+    triton_err: float            # against the float64 reference
+    torch_err: float | None
+    dense_ms: float | None = None
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.double()
+    if not bool(torch.isfinite(out).all()):
+        return float("nan")
+    return float((out - ref).norm() / ref.norm())
+
+
+def _measure(workload: Workload, skip_torch: bool) -> Measured:
     from triton.testing import do_bench
 
+    ref = workload.run_float64()
     triton_ms = do_bench(workload.run_triton, return_mode="median")
+    triton_err = _rel_err(workload.run_triton(), ref)
+    dense_ms = None if workload.run_dense is None else do_bench(workload.run_dense, return_mode="median")
     if skip_torch:
-        return triton_ms, None, None
+        return Measured(triton_ms, None, triton_err, None, dense_ms)
     torch_ms = do_bench(workload.run_torch, return_mode="median")
-    out, ref = workload.run_triton().double(), workload.run_torch().double()
-    return triton_ms, torch_ms, float((out - ref).norm() / ref.norm())
+    return Measured(triton_ms, torch_ms, triton_err, _rel_err(workload.run_torch(), ref), dense_ms)
 
 
-def _row(label: str, triton_ms: float, torch_ms: float | None, err: float | None,
-         rate: str) -> str:
-    torch_col = f"{torch_ms:9.3f}" if torch_ms is not None else f"{'-':>9}"
-    speedup = f"{torch_ms / triton_ms:7.1f}x" if torch_ms is not None else f"{'-':>8}"
-    err_col = f"{err:9.1e}" if err is not None else f"{'-':>9}"
-    return f"{label:<28}{triton_ms:10.3f}{torch_col}{speedup}{err_col}  {rate}"
+def _row(label: str, m: Measured, rate: str) -> str:
+    def col(value: float | None, fmt: str, width: int) -> str:
+        return format(value, fmt) if value is not None else f"{'-':>{width}}"
+    speedup = f"{m.torch_ms / m.triton_ms:7.1f}x" if m.torch_ms is not None else f"{'-':>8}"
+    return (f"{label:<28}{m.triton_ms:10.3f}{col(m.torch_ms, '9.3f', 9)}{speedup}"
+            f"{m.triton_err:10.1e}{col(m.torch_err, '10.1e', 10)}{col(m.dense_ms, '9.3f', 9)}  {rate}")
+
+
+def _warm_up_gpu(seconds: float = 1.0) -> None:
+    """Keep the GPU busy for a while first, so the first rows are not timed at idle clocks."""
+    import time
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -131,9 +182,12 @@ def main() -> None:
         sys.exit("attention_gpu: no CUDA device here; this benchmark times GPU kernels. "
                  "The CPU checks are `pytest tests/engine/attention`.")
     dtype = getattr(torch, args.dtype)
-    header = f"{'shape':<28}{'triton ms':>10}{'torch ms':>9}{'speedup':>8}{'rel diff':>9}  rate"
-    print(f"device: {torch.cuda.get_device_name()}  dtype: {args.dtype}  "
-          f"block_size: {args.block_size}")
+    _warm_up_gpu()
+    header = (f"{'shape':<28}{'triton ms':>10}{'torch ms':>9}{'speedup':>8}{'err triton':>10}"
+              f"{'err torch':>10}{'dense ms':>9}  rate")
+    import triton
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  "
+          f"dtype: {args.dtype}  block_size: {args.block_size}  (err: relative to float64)")
     for name, shape in MODELS.items():
         if args.model not in ("all", name):
             continue
@@ -142,16 +196,16 @@ def main() -> None:
         for batch in DECODE_BATCHES:
             for context in DECODE_CONTEXTS:
                 workload = decode_workload(shape, batch, context, args.block_size, dtype)
-                triton_ms, torch_ms, err = _measure(workload, args.skip_torch)
-                rate = f"{workload.work / triton_ms / 1e6:8.1f} GB/s"
-                print(_row(f"batch {batch} x ctx {context}", triton_ms, torch_ms, err, rate))
+                m = _measure(workload, args.skip_torch)
+                rate = f"{workload.work / m.triton_ms / 1e6:8.1f} GB/s"
+                print(_row(f"batch {batch} x ctx {context}", m, rate), flush=True)
                 del workload
         print(f"-- prefill\n{header}")
         for label, chunks in PREFILL_BATCHES.items():
             workload = prefill_workload(shape, chunks, args.block_size, dtype)
-            triton_ms, torch_ms, err = _measure(workload, args.skip_torch)
-            rate = f"{workload.work / triton_ms / 1e9:8.1f} TFLOP/s"
-            print(_row(label, triton_ms, torch_ms, err, rate))
+            m = _measure(workload, args.skip_torch)
+            rate = f"{workload.work / m.triton_ms / 1e9:8.1f} TFLOP/s"
+            print(_row(label, m, rate), flush=True)
             del workload
         torch.cuda.empty_cache()
 

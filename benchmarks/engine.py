@@ -1,17 +1,19 @@
 """Engine step speed on this machine (a script, not a test): decode ms per step and prefill tok/s.
 
 For each dtype and each thread count it prints the ms of one decode step at batch 1, 16 and 64
-with 256- and 1024-token contexts, prefill tokens/s (4 fresh prompts x 512 tokens), and the
+with 256- and 1024-token contexts, prefill tokens/s (4 fresh prompts x 512 tokens; --prefill-batch), and the
 memory-bandwidth floor of a decode step (every weight read once: weight bytes / measured copy
 bandwidth). ``--profile`` adds a per-op table (torch.profiler) of the batch-16, 256-token step.
 Usage:
 
     python benchmarks/engine.py [--dtypes bfloat16,float32] [--threads 1,2] [--batches 1,16,64]
-                                [--contexts 256,1024] [--profile] [--json]
+                                [--contexts 256,1024] [--profile] [--json] [--device cuda]
 
 Decode contexts are built once per (dtype, context): the largest batch is prefilled, measured,
 then aborted down to each smaller batch. Thread counts are switched in the same process
 (``torch.set_num_threads``; the CPU attention kernels follow it). Run it on a quiet machine.
+With ``--device cuda`` the engine runs on the GPU (Triton attention); a step's wall time still
+ends at the sampled token ids reaching the host, and the copy bandwidth is the device's.
 """
 from __future__ import annotations
 
@@ -33,16 +35,23 @@ from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerCon
 from engine.llm_engine import LLMEngine  # noqa: E402
 
 
-def copy_bandwidth_gbps(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+def copy_bandwidth_gbps(nbytes: int = 1 << 29, repeats: int = 5, device: str = "cpu") -> float:
     """Best-of-N large copy, counting bytes read plus bytes written (the traffic a step costs)."""
-    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src).fill_(0)
     best = float("inf")
     for _ in range(repeats):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * nbytes / best / 1e9
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize()
 
 
 def weight_nbytes(engine: LLMEngine) -> int:
@@ -116,7 +125,10 @@ def _decode_budget(batches: list[int], threads: list[int], steps: int, prefill_s
 
 def profile_steps(engine: LLMEngine, steps: int) -> str:
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    activities = [ProfilerActivity.CPU]
+    if engine.runner.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20)
@@ -146,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--contexts", default="256,1024", help="tokens in each sequence's context")
     parser.add_argument("--decode-steps", type=int, default=8)
     parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--prefill-batch", type=int, default=4, help="prompts in the prefill measurement")
     parser.add_argument("--chunked-prefill-size", type=int, default=2048)
     parser.add_argument("--profile", action="store_true", help="per-op table of the batch-16 step")
     parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton"], default="auto")
     args = parser.parse_args(argv)
     batches, threads, contexts = _ints(args.batches), _ints(args.threads), _ints(args.contexts)
-    bandwidth = copy_bandwidth_gbps()
+    bandwidth = copy_bandwidth_gbps(1 << 31 if args.device == "cuda" else 1 << 29, device=args.device)
     print(f"copy bandwidth (read+write): {bandwidth:.1f} GB/s")
     results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}}
     for dtype in args.dtypes.split(","):
@@ -159,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         prefill_steps = -(-max(batches) * max(contexts) // args.chunked_prefill_size) + 1
         max_len = max(max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16,
                       args.prefill_len)
-        engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device="cpu", max_model_len=max_len),
+        engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device=args.device, max_model_len=max_len,
+                                       attention_backend=args.attention_backend),
                            CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32)
                                        * engine_kv_bytes_per_token(args.model, dtype),
                                        enable_prefix_caching=False, shared_memory=False),
@@ -169,10 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{args.model} {dtype} (attention: {engine.runner.model.layers[0].self_attn.backend.__name__}): "
               f"weights streamed per step {nbytes / 1e6:.0f} MB -> decode floor "
               f"{nbytes / (bandwidth * 1e9) * 1e3:.1f} ms/step", flush=True)
+        if args.device == "cuda":
+            bench_prefill(engine, args.prefill_batch, args.prefill_len, rng)  # JIT-compile the kernels untimed
         for n in threads:
             torch.set_num_threads(n)
-            tps = bench_prefill(engine, 4, args.prefill_len, rng)
-            print(f"  prefill 4 x {args.prefill_len} threads {n}: {tps:7.1f} tok/s", flush=True)
+            tps = bench_prefill(engine, args.prefill_batch, args.prefill_len, rng)
+            print(f"  prefill {args.prefill_batch} x {args.prefill_len} threads {n}: {tps:7.1f} tok/s", flush=True)
             results["prefill"].append({"dtype": dtype, "threads": n, "tok_per_s": tps})
         for context in contexts:
             rows, table = bench_decode(engine, batches, threads, context, args.decode_steps, rng,
