@@ -87,11 +87,9 @@ def make_workload(args: argparse.Namespace) -> tuple[list[RequestSpec], float]:
 # -- (A) disaggregated: two worker processes ---------------------------------------------------
 def start_worker(role: str, flags: list[str], log_dir: str) -> WorkerProcess:
     """Spawn a worker with its stderr in ``log_dir/<role>.log`` (ready: ``wait_ready``), the way
-    `tandem serve` starts 1P1D on a 2-core node: prefill niced 5 below decode, short OpenMP spins."""
-    from deploy.controller import OVERSUBSCRIBED_OMP_ENV
-
+    `tandem serve` starts 1P1D on a 2-core node: prefill niced 5 below decode."""
     log = open(Path(log_dir) / f"{role}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
-    return WorkerProcess(role, flags, stderr=log, wait=False, env=OVERSUBSCRIBED_OMP_ENV,
+    return WorkerProcess(role, flags, stderr=log, wait=False,
                          nice=PREFILL_NICE if role == "prefill" else 0)
 
 

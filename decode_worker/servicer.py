@@ -139,8 +139,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             prompt = list(request.prompt_token_ids)
             check_request(request.request_id, prompt, self.vocab_size, self.max_model_len)
             params = sampling_from_proto(request.sampling)
-            if not request.prefill_address:
-                raise ValueError("prefill_address is empty: name the prefill worker computing this prompt")
+            if request.local_prefill == bool(request.prefill_address):
+                raise ValueError("name the prefill worker computing this prompt (prefill_address) or ask for "
+                                 "local_prefill, not both" if request.local_prefill else
+                                 "prefill_address is empty: name the prefill worker computing this prompt "
+                                 "or ask for local_prefill")
             if params.structured is not None:   # compiled off the engine thread; a bad one is refused here
                 await asyncio.to_thread(self.loop.engine.grammars.compile, params.structured)
         except ValueError as exc:
@@ -152,6 +155,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             await self.loop.run(lambda: self.loop.add(job))
         except KeyError as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
+        except ValueError as exc:   # the engine refused a local prefill's prompt
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = False
         k = params.logprobs or 0
         try:
@@ -182,7 +187,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if not finished:  # the client went away: free everything for this request now
                 request_id = request.request_id
                 self.loop.call(lambda: self.loop.abort(request_id))
-                aio_loop.create_task(self._abort_prefill(job.prefill_address, request_id))
+                if job.prefill_address:
+                    aio_loop.create_task(self._abort_prefill(job.prefill_address, request_id))
 
     async def SetPrefill(self, request: worker_pb2.SetPrefillRequest, context: grpc.aio.ServicerContext):
         if not request.request_id or not request.prefill_address:

@@ -16,6 +16,11 @@ Under tensor parallelism this is rank 0: every rank has a receiver over its own 
 (decode_worker/ranks.py), the prefill worker gets all their descriptors in one blob, and
 reservations, cancels and polls are mirrored on every rank, so a request starts decoding only
 once every rank's share of its KV has landed.
+
+A request the router sends without a prefill worker (``local_prefill``: conditional
+disaggregation, for short prompts) skips all of that: it goes into the engine's own waiting
+queue and its prompt is computed here in chunks beside the running batch, as a colocated engine
+would.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ class DecodeState(enum.Enum):
     """Where a request is on this worker: waiting for room, its KV arriving, or decoding."""
 
     PREALLOCATING = "preallocating"   # waiting in the pre-allocation queue for blocks
+    PREFILLING = "prefilling"         # local prefill: the engine computes its prompt here
     TRANSFERRING = "transferring"     # blocks reserved, the prefill worker is writing them
     RUNNING = "running"               # in the engine's running batch
 
@@ -75,7 +81,7 @@ class DecodeJob:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    prefill_address: str
+    prefill_address: str                      # "" = local prefill (no prefill worker)
     sink: Sink                                # called by DecodeLoop.deliver with this job's events
     arrival_s: float = field(default_factory=time.monotonic)
     state: DecodeState = DecodeState.PREALLOCATING
@@ -108,6 +114,7 @@ class DecodeLoop(EngineLoop):
         self._gen_tokens_logged = 0
         self._last_log_s = time.monotonic()
         self._retractions_seen = 0
+        self._prompt_tokens_seen = 0               # computed here: local prefills and recomputed retractions
         self._outbox: EventBatch = []              # stream events not yet delivered (engine thread)
         # Called on the engine thread with each batch of events, in order; the gRPC servicer
         # sets it to hand the batch to its asyncio loop in one thread-safe call.
@@ -120,6 +127,13 @@ class DecodeLoop(EngineLoop):
             raise KeyError(f"request_id={job.request_id!r} is already running here")
         if job.request_id in self.cancelled:  # the receiver still tracks its old transfer
             raise KeyError(f"request_id={job.request_id!r} is still being cleaned up here; use a new one")
+        if not job.prefill_address:
+            job.num_cached_tokens = self.engine.num_cached_prefix_tokens(job.prompt_token_ids)
+            self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
+            job.state = DecodeState.PREFILLING
+            self.metrics.local_prefills.inc()
+            self.jobs[job.request_id] = job
+            return
         self.jobs[job.request_id] = job
         self.prealloc.append(job.request_id)
 
@@ -147,7 +161,7 @@ class DecodeLoop(EngineLoop):
         died); the reservation stays, the old writer is fenced. False when the request is
         unknown, already decoding or its transfer already ended."""
         job = self.jobs.get(request_id)
-        if job is None or job.state == DecodeState.RUNNING:
+        if job is None or job.state in (DecodeState.RUNNING, DecodeState.PREFILLING):
             return False
         if job.state == DecodeState.TRANSFERRING:
             # The old prefill worker may only look dead: fence it before the new one gets the
@@ -286,7 +300,6 @@ class DecodeLoop(EngineLoop):
         job.state = DecodeState.RUNNING
         job.num_cached_tokens = payload.num_cached_tokens
         now = time.monotonic()
-        self.metrics.ttft.observe(now - job.arrival_s)
         out = StepOutput(job.request_id, [payload.first_token_id],
                          [first_logprobs] if first_logprobs is not None else [],
                          finished=seq.is_finished, finish_reason=seq.finish_reason)
@@ -297,7 +310,10 @@ class DecodeLoop(EngineLoop):
         if job is None:
             return
         job.num_output_tokens += len(out.new_token_ids)
-        if job.last_token_s is not None:
+        if job.last_token_s is None:
+            self.metrics.ttft.observe(now - job.arrival_s)
+            job.state = DecodeState.RUNNING   # a local prefill's first token
+        else:
             self.metrics.itl.observe(now - job.last_token_s)
         job.last_token_s = now
         event = StreamEvent(out.new_token_ids, out.new_logprobs)
@@ -322,6 +338,9 @@ class DecodeLoop(EngineLoop):
         self.metrics.preallocated.set(len(self.prealloc))
         self.metrics.transferring.set(len(self.transferring))
         self.metrics.kv_usage.set(stats.kv_usage)
+        if stats.num_prompt_tokens > self._prompt_tokens_seen:
+            self.metrics.prompt_tokens.inc(stats.num_prompt_tokens - self._prompt_tokens_seen)
+            self._prompt_tokens_seen = stats.num_prompt_tokens
         if stats.num_retractions > self._retractions_seen:
             self.metrics.retractions.inc(stats.num_retractions - self._retractions_seen)
             self._retractions_seen = stats.num_retractions

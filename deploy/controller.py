@@ -202,24 +202,6 @@ def cpu_threads(spec: ServeSpec, role: str, node_cpus: int, ranks: dict[str, int
     return max(1, node_cpus // max(1, share))
 
 
-# Short OpenMP spinning before a waiting thread sleeps, where a node's ranks have more threads
-# than it has cores. Measured on 2 cores, a 2-thread batch-16 decode step alone / beside one busy
-# thread: libgomp's default spin 28 / 53 ms, passive waits 43 / 81 ms, 2000 spins 28 / 45 ms.
-OVERSUBSCRIBED_OMP_ENV = {"GOMP_SPINCOUNT": "2000"}
-
-
-def worker_env(spec: ServeSpec, ranks: dict[str, int], node_cpus: int) -> dict[str, str]:
-    """A worker's environment: the cluster secret, and on a CPU node whose worker ranks (``ranks``
-    per role) have more threads than it has cores, short OpenMP spins (``OVERSUBSCRIBED_OMP_ENV``)
-    unless the operator set OpenMP's waiting policy."""
-    env = spec.secret_env()
-    total = sum(n * cpu_threads(spec, role, node_cpus, ranks) for role, n in ranks.items())
-    if (not spec.use_gpu and total > node_cpus
-            and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys()):
-        env.update(OVERSUBSCRIBED_OMP_ENV)
-    return env
-
-
 def worker_argvs(spec: ServeSpec, role: str, tp: int, node: dict[str, Any], ranks: dict[str, int],
                  dist_port: int | None) -> list[list[str]]:
     """The command line of each rank of a ``role`` replica on ``node`` (``ProcessHost.node``).
@@ -583,7 +565,7 @@ class Controller:
         dist_port = ray.get(r.hosts[0].free_port.remote()) if r.tp > 1 else None
         argvs = worker_argvs(spec, r.role, r.tp, node, ranks, dist_port)
         nice = spec.prefill_nice if r.role == "prefill" and not spec.use_gpu else 0
-        env = worker_env(spec, ranks, node["cpus"])
+        env = spec.secret_env()   # OpenMP's short spins: engine/__init__.py
         r.pids = ray.get([h.start.remote(argv, WORKER_READY_PREFIX, env, nice) for h, argv in zip(r.hosts, argvs)])
         deadline = time.monotonic() + spec.start_timeout_s
         infos: list[dict | None] = [None] * r.tp

@@ -80,6 +80,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
     p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
     add_public_api_args(p)
+    p.add_argument("--local-prefill-max-tokens", type=int, default=0, metavar="N",
+                   help="conditional disaggregation: prompts of at most N tokens are prefilled by their decode "
+                        "worker itself, with no prefill worker or KV transfer (default 0: never)")
     p.add_argument("--cpus-per-worker", type=float, default=0.1,
                    help="Ray CPU demand per worker rank on CPU-only clusters (default 0.1, so router + 2 "
                         "workers fit on 2 cores); GPU clusters reserve 1 GPU + 1 CPU per rank")
@@ -92,7 +95,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "by its prefill ranks; prefill is niced below decode and runs on what decode leaves)")
     p.add_argument("--decode-threads", type=int, default=0, metavar="N",
                    help="torch threads per decode rank on CPU-only clusters (default 0: the node's cores / its "
-                        "worker ranks); threads beyond the cores get short OpenMP spins (GOMP_SPINCOUNT=2000)")
+                        "worker ranks)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
     p.add_argument("--prometheus-sd-file", default=DEFAULT_SD_FILE, metavar="PATH",
                    help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
@@ -322,6 +325,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
+                    "--local-prefill-max-tokens", str(args.local_prefill_max_tokens),
                     *public_api_flags(args)]
     if is_hub_id(args.model) and not Path(args.model).exists():
         # The router runs on this node: it reads the snapshot check_model resolved (the last

@@ -32,6 +32,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--prefill-policy", default=d.prefill_policy, choices=PREFILL_POLICIES)
     p.add_argument("--decode-policy", default=d.decode_policy, choices=DECODE_POLICIES)
     add_public_api_args(p)
+    p.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
+                   help="conditional disaggregation: a prompt of at most this many tokens is prefilled by its decode "
+                        "worker itself, with no prefill worker or KV transfer (0 = always a prefill worker)")
     p.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     p.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     p.add_argument("--max-missed-heartbeats", type=int, default=d.max_missed_heartbeats)
@@ -51,7 +54,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
                         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
                         max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,
-                        failover_wait_s=args.failover_wait_s, tool_call_parser=args.tool_call_parser,
+                        failover_wait_s=args.failover_wait_s,
+                        local_prefill_max_tokens=args.local_prefill_max_tokens, tool_call_parser=args.tool_call_parser,
                         enable_auto_tool_choice=args.enable_auto_tool_choice)
 
 

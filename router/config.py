@@ -35,6 +35,8 @@ class RouterConfig:
     rpc_timeout_s: float = 30.0            # unary worker RPCs (Submit, Abort)
     failover_wait_s: float = 60.0          # a failing-over request waits this long for a worker of each
     #                                        role to be healthy again (the controller restarting one)
+    local_prefill_max_tokens: int = 0      # conditional disaggregation: prompts of at most this many tokens
+    #                                        are prefilled by their decode worker, no prefill worker (0 = never)
     tool_call_parser: str = ""             # how the model writes tool calls (TOOL_CALL_PARSERS); "" = none
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free output
 
@@ -56,6 +58,8 @@ class RouterConfig:
             raise ValueError(f"max_missed_heartbeats must be >= 1, got {self.max_missed_heartbeats}")
         if self.failover_wait_s < 0:
             raise ValueError(f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:

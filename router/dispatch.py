@@ -17,6 +17,11 @@ cleaning up the old attempt never sees a clash. A request that fails twice for t
 (worker addresses and ids aside) on different workers -- a poison request, not a bad worker --
 is not tried on more; a worker removed from the registry is not such a reason.
 
+Conditional disaggregation: a prompt of at most ``local_prefill_max_tokens`` tokens (0: none)
+goes to a decode worker alone (``GenerateRequest.local_prefill``), which computes it beside its
+running batch; no prefill worker, no KV transfer. An attempt without a prefill worker has
+``prefill=None`` and ``prefill_done`` from the start.
+
 Cleanup of an unfinished attempt is synchronous (it runs while the caller is being cancelled):
 cancel the D stream and send Abort to P and D at once in background tasks.
 """
@@ -57,7 +62,7 @@ class TokenEvent:
 @dataclass(eq=False)
 class Attempt:
     request_id: str
-    prefill: WorkerState
+    prefill: WorkerState | None        # None: the decode worker prefills the prompt itself
     decode: WorkerState
     call: grpc.aio.UnaryStreamCall | None = None
     submit_request: worker_pb2.SubmitRequest | None = None
@@ -79,7 +84,8 @@ class _Progress:
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 4, rpc_timeout_s: float = 30.0,
-                 on_failover: Callable[[str], None] | None = None, failover_wait_s: float = 0.0) -> None:
+                 on_failover: Callable[[str], None] | None = None, failover_wait_s: float = 0.0,
+                 local_prefill_max_tokens: int = 0) -> None:
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -87,6 +93,7 @@ class Dispatcher:
         self.rpc_timeout_s = rpc_timeout_s
         self.on_failover = on_failover
         self.failover_wait_s = failover_wait_s
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.num_waiting = 0          # requests without their first token yet
         self._attempts: dict[str, set[Attempt]] = {}
         self._background: set[asyncio.Task] = set()
@@ -111,7 +118,7 @@ class Dispatcher:
             for attempt_no in range(self.max_attempts):
                 attempt_id = request_id if attempt_no == 0 else f"{request_id}.retry{attempt_no}"
                 if attempt_no:
-                    await self._wait_for_workers()
+                    await self._wait_for_workers(("decode",) if self._local(progress) else ROLES)
                 attempt = self._start(attempt_id, progress, sampling, avoid)
                 try:
                     async for response in attempt.call:
@@ -173,10 +180,10 @@ class Dispatcher:
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
-    async def _wait_for_workers(self) -> None:
+    async def _wait_for_workers(self, roles: tuple[str, ...]) -> None:
         """Before a retry: give a restarting worker ``failover_wait_s`` to come back when no
-        worker of a role is left (then ``_pick`` fails the request as unavailable)."""
-        for role in ROLES:
+        worker of a role the attempt needs is left (then ``_pick`` fails the request as unavailable)."""
+        for role in roles:
             if not self.registry.healthy(role) and self.failover_wait_s > 0:
                 logger.info("no healthy %s worker; waiting up to %.0f s for one", role, self.failover_wait_s)
                 try:
@@ -185,6 +192,11 @@ class Dispatcher:
                     return
 
     # -- one attempt ------------------------------------------------------------------------
+    def _local(self, progress: _Progress) -> bool:
+        """Whether the next attempt's prompt (the prompt plus what was streamed) is short
+        enough for its decode worker to prefill it."""
+        return len(progress.prompt_token_ids) + len(progress.output_token_ids) <= self.local_prefill_max_tokens
+
 
     def _pick(self, role: str, policy: Policy, prompt: list[int], avoid: set[str]) -> WorkerState:
         workers = self.registry.healthy(role)
@@ -204,15 +216,22 @@ class Dispatcher:
         if params.HasField("grammar"):
             # The prompt ends with the output streamed so far: both workers' matchers resume after it.
             params.grammar.num_resumed_tokens = len(progress.output_token_ids)
-        prefill = self._pick("prefill", self.prefill_policy, prompt, avoid)
+        prefill = None if self._local(progress) else self._pick("prefill", self.prefill_policy, prompt, avoid)
         decode = self._pick("decode", self.decode_policy, prompt, avoid)
         attempt = Attempt(attempt_id, prefill, decode)
-        attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
-            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
-        attempt.submit_request = worker_pb2.SubmitRequest(
-            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
-        attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
-        for worker in (prefill, decode):
+        if prefill is None:
+            attempt.prefill_done = True
+            attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
+                request_id=attempt_id, prompt_token_ids=prompt, sampling=params, local_prefill=True))
+            workers: tuple[WorkerState, ...] = (decode,)
+        else:
+            attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
+                request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
+            attempt.submit_request = worker_pb2.SubmitRequest(
+                request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
+            attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
+            workers = (prefill, decode)
+        for worker in workers:
             worker.num_inflight += 1
             worker.num_requests += 1
             self._attempts.setdefault(worker.address, set()).add(attempt)
@@ -220,6 +239,7 @@ class Dispatcher:
 
     async def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
         prefill = attempt.prefill
+        assert prefill is not None
         try:
             await prefill.stub.Submit(request, timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
@@ -233,6 +253,7 @@ class Dispatcher:
     def _prefill_done(self, attempt: Attempt) -> None:
         if not attempt.prefill_done:
             attempt.prefill_done = True
+            assert attempt.prefill is not None   # a local prefill starts done
             attempt.prefill.num_inflight -= 1
             self._attempts.get(attempt.prefill.address, set()).discard(attempt)
 
@@ -247,7 +268,7 @@ class Dispatcher:
         # Abort at both workers at once; the decode worker also aborts at P when its stream
         # is cancelled, but that takes a hop and the request may not have reached D yet.
         for worker in (attempt.prefill, attempt.decode):
-            if not worker.removed:
+            if worker is not None and not worker.removed:
                 submit = attempt.submit if worker is attempt.prefill else None
                 self._spawn(self._abort(worker, attempt.request_id, submit))
 
@@ -265,6 +286,7 @@ class Dispatcher:
         if attempt.lost is not None:
             return f"worker {attempt.lost} was removed"
         exc = attempt.submit_error
+        assert exc is not None and attempt.prefill is not None
         if exc.code() not in RETRYABLE:
             raise errors.from_worker(exc.code(), exc.details() or "") from None
         return f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
@@ -272,8 +294,9 @@ class Dispatcher:
     @staticmethod
     def _reason(failure: str, attempt: Attempt, request_id: str) -> str:
         """``failure`` without what differs between attempts: the workers and the attempt's id."""
+        workers = [w.address for w in (attempt.prefill, attempt.decode) if w is not None]
         for name, value in ((attempt.request_id, "<request>"), (request_id, "<request>"),
-                            (attempt.prefill.address, "<worker>"), (attempt.decode.address, "<worker>")):
+                            *((address, "<worker>") for address in workers)):
             failure = failure.replace(name, value)
         return failure
 
@@ -281,14 +304,14 @@ class Dispatcher:
     def _suspects(attempt: Attempt) -> set[str]:
         if attempt.lost is not None:
             return {attempt.lost}
-        if attempt.submit_error is not None or not attempt.streamed:
+        if attempt.prefill is not None and (attempt.submit_error is not None or not attempt.streamed):
             return {attempt.prefill.address, attempt.decode.address}
         return {attempt.decode.address}
 
     async def _diagnose(self, attempt: Attempt) -> None:
         """Probe the pair after a break so a dead worker is out before the next pick."""
         probes = [self.registry.probe(attempt.decode.address)]
-        if attempt.prefill.address != attempt.decode.address:
+        if attempt.prefill is not None and attempt.prefill.address != attempt.decode.address:
             probes.append(self.registry.probe(attempt.prefill.address))
         await asyncio.gather(*probes)
 

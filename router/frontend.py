@@ -148,7 +148,9 @@ class Frontend:
         that passed check_fan_out is taken, so a small max_waiting never starves it. The queue is
         the dispatcher's: a request admitted a moment ago whose streams have not started yet is
         not in it, so a burst can overshoot by about one request's sub-requests."""
-        for role in ROLES:
+        # With local prefill on, a short prompt needs a decode worker only (the dispatcher refuses
+        # a long one when no prefill worker is left).
+        for role in ("decode",) if self.dispatcher.local_prefill_max_tokens else ROLES:
             if not self.registry.healthy(role):
                 raise errors.unavailable(f"no {role} worker is available")
         num_waiting = self.dispatcher.num_waiting

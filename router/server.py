@@ -64,7 +64,8 @@ class Router:
         self.dispatcher = Dispatcher(self.registry, make_policy(c.prefill_policy), make_policy(c.decode_policy),
                                      c.max_attempts, c.rpc_timeout_s,
                                      on_failover=lambda _: self.metrics.failovers.inc(),
-                                     failover_wait_s=c.failover_wait_s)
+                                     failover_wait_s=c.failover_wait_s,
+                                     local_prefill_max_tokens=c.local_prefill_max_tokens)
         self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
         self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c)
         for role, addresses in (("prefill", c.prefill), ("decode", c.decode)):

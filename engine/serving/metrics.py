@@ -31,6 +31,8 @@ class WorkerMetrics:
         self.generation_tokens = counter("tandem_generation_tokens", "tokens generated")
         self.prefix_queries = counter("tandem_prefix_cache_queries", "prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("tandem_prefix_cache_hits", "prompt tokens found in the prefix cache")
+        self.local_prefills = counter("tandem_local_prefills", "decode: requests whose prompt this worker computed "
+                                      "itself (no prefill worker: conditional disaggregation)")
         self.retractions = counter("tandem_num_retractions", "decode requests retracted for lack of blocks")
         self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes", "KV bytes shipped or received")
         self.kv_transfer_failures = counter("tandem_kv_transfer_failures",

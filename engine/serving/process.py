@@ -75,12 +75,16 @@ def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = N
         configs = (config_from_args(ModelConfig, args), config_from_args(CacheConfig, args),
                    config_from_args(SchedulerConfig, args))
         parallel = config_from_args(ParallelConfig, args)
-        if worker.num_threads:
-            import torch
-            torch.set_num_threads(worker.num_threads)
-        if not parallel.is_leader:
+        import torch
+        if not parallel.is_leader:   # a follower steps on this thread
+            if worker.num_threads:
+                torch.set_num_threads(worker.num_threads)
             return _follow(role, worker, configs, parallel, follow)
+        # Only the engine thread may own an OpenMP team (engine/serving/loop.py): build on one.
+        num_threads = worker.num_threads or torch.get_num_threads()
+        torch.set_num_threads(1)
         parts = build(worker, *configs, parallel)
+        parts.loop.num_threads = num_threads
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         return 2

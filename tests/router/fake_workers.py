@@ -44,6 +44,7 @@ class FakeState:
     active: set[str] = field(default_factory=set)
     seen: list[str] = field(default_factory=list)        # request ids, in arrival order
     aborted: list[str] = field(default_factory=list)
+    local_prefill: list[str] = field(default_factory=list)   # decode: Generate asked it to prefill itself
 
     def stats(self, role: str) -> worker_pb2.StatsResponse:
         return worker_pb2.StatsResponse(role=role, num_running=len(self.active), kv_blocks_used=len(self.active),
@@ -139,6 +140,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id={rid!r} is running")
         self.state.active.add(rid)
         self.state.seen.append(rid)
+        if request.local_prefill:
+            self.state.local_prefill.append(rid)
         params = request.sampling
         stream = _FakeStream(list(request.prompt_token_ids), params.max_tokens if params.HasField("max_tokens") else 16,
                              frozenset(params.stop_token_ids), params.ignore_eos, self.fail_after_tokens)

@@ -98,3 +98,56 @@ def test_stats_snapshot_is_answered_while_a_step_holds_the_engine_thread():
         loop.stop()
     with pytest.raises(RuntimeError, match="engine thread is not running"):
         loop.snapshot()
+
+
+class ThreadsLoop(CountingLoop):
+    def __init__(self) -> None:
+        super().__init__()
+        self.torch_threads: int | None = None
+
+    def run_once(self) -> bool:
+        import torch
+        self.torch_threads = torch.get_num_threads()
+        return super().run_once()
+
+
+def test_the_engine_thread_alone_runs_torch_on_num_threads():
+    """libgomp gives each thread that opens a parallel region its own team: the engine thread
+    gets the worker's threads, the thread that built the engine keeps its one."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    loop = ThreadsLoop()
+    loop.num_threads = 3
+    try:
+        loop.start()
+        for _ in range(500):
+            if loop.torch_threads is not None:
+                break
+            time.sleep(0.01)
+        assert loop.torch_threads == 3
+        assert torch.get_num_threads() == 1
+    finally:
+        loop.stop()
+        torch.set_num_threads(before)
+
+
+def test_a_worker_builds_its_engine_on_one_thread():
+    import signal
+
+    import torch
+
+    from engine.serving import process
+    seen = {}
+
+    def build(worker, *configs):
+        seen["threads"] = torch.get_num_threads()
+        raise ValueError("stop after the build")
+
+    before, handler = torch.get_num_threads(), signal.getsignal(signal.SIGTERM)
+    try:
+        assert process.run("decode", build, ["--num-threads", "3"]) == 2
+    finally:
+        torch.set_num_threads(before)
+        signal.signal(signal.SIGTERM, handler)
+    assert seen == {"threads": 1}
