@@ -33,6 +33,15 @@ def test_by_default_decode_gets_a_share_of_the_cores_and_prefill_all_of_them():
     assert [int(worker_argvs(spec, role, 1, big, eight, None)[0][-1]) for role in ("prefill", "decode")] == [2, 2]
 
 
+def test_with_local_prefill_decode_ranks_share_all_the_cores():
+    spec = _spec(local_prefill=True)
+    assert (_threads(spec, "prefill"), _threads(spec, "decode")) == (2, 2)
+    big = {**NODE, "cpus": 8}
+    two_decode = {"prefill": 1, "decode": 2}                         # 1P2D on 8 cores: decode 4 each
+    assert int(worker_argvs(spec, "decode", 1, big, two_decode, None)[0][-1]) == 4
+    assert _threads(_spec(local_prefill=True, threads={"decode": 1}), "decode") == 1
+
+
 def test_the_operators_thread_counts_stand_and_gpu_ranks_get_none():
     spec = _spec(threads={"prefill": 1, "decode": 1})
     assert (_threads(spec, "prefill"), _threads(spec, "decode")) == (1, 1)

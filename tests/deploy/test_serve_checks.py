@@ -117,3 +117,13 @@ def test_serve_forwards_the_public_api_flags_that_differ_from_the_defaults():
     config = router_args(["--model", "m", *flags])
     assert (config.max_waiting, config.max_sub_requests, config.max_prompt_chars, config.max_request_body_bytes,
             config.tool_call_parser, config.enable_auto_tool_choice) == (7, 3, 1000, 4096, "hermes", True)
+
+
+def test_local_prefill_is_on_by_default_only_on_one_cpu_node():
+    from deploy.serve import CPU_LOCAL_PREFILL_MAX_TOKENS, local_prefill_max_tokens
+    assert parse().local_prefill_max_tokens is None
+    assert local_prefill_max_tokens(None, use_gpu=False, num_nodes=1) == CPU_LOCAL_PREFILL_MAX_TOKENS
+    assert local_prefill_max_tokens(None, use_gpu=True, num_nodes=1) == 0
+    assert local_prefill_max_tokens(None, use_gpu=False, num_nodes=2) == 0
+    assert local_prefill_max_tokens(0, use_gpu=False, num_nodes=1) == 0
+    assert local_prefill_max_tokens(512, use_gpu=True, num_nodes=3) == 512

@@ -166,8 +166,9 @@ def deployment(tmp_path_factory):
     # request recomputes its generated tokens' KV in one prefill, whose bf16 GEMM rounds
     # differently from the decode steps that first made it, so bf16 greedy text may part after
     # a near tie (as in any bf16 engine that recomputes); float32 keeps it exact here.
+    # Local prefill off: every prompt takes the P/D path, so the prefill kill/scale tests exercise it.
     dep = start_serve(tmp_path_factory.mktemp("serve"), "--kv-cache-memory", str(256 << 20), "--max-model-len", "2048",
-                      "--dtype", "float32")
+                      "--dtype", "float32", "--local-prefill-max-tokens", "0")
     try:
         pids = all_pids(dep.status())
         yield dep
