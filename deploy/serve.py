@@ -101,7 +101,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         "by its prefill ranks; prefill is niced below decode and runs on what decode leaves)")
     p.add_argument("--decode-threads", type=int, default=0, metavar="N",
                    help="torch threads per decode rank on CPU-only clusters (default 0: the node's cores / its "
-                        "worker ranks)")
+                        "worker ranks, or / its decode ranks while local prefill is on)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
     p.add_argument("--prometheus-sd-file", default=DEFAULT_SD_FILE, metavar="PATH",
                    help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
