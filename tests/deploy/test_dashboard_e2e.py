@@ -159,9 +159,11 @@ def describe(title: str, legend: str, expr: str, series: list[dict], peaks: dict
 def test_prometheus_scrapes_serve_and_every_dashboard_query_has_data(tmp_path, tiny_model_dir):  # noqa: F811
     model = str(tiny_model_dir("llama"))
     sd_file = tmp_path / "sd" / "targets.json"
-    # A small pool (512 blocks of 16 tokens), so the KV usage panel has something to show.
+    # A small pool (512 blocks of 16 tokens), so the KV usage panel has something to show; local
+    # prefill off, so every prompt crosses the prefill worker and the KV transfer panels have data.
     dep = start_serve(tmp_path / "serve", "--model", model, "--num-gpu-blocks-override", "512",
-                      "--max-model-len", "512", "--log-interval-s", "0.5", "--prometheus-sd-file", str(sd_file))
+                      "--max-model-len", "512", "--log-interval-s", "0.5", "--prometheus-sd-file", str(sd_file),
+                      "--local-prefill-max-tokens", "0")
     prometheus = None
     try:
         groups = json.loads(sd_file.read_text())
