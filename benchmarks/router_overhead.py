@@ -1,20 +1,23 @@
 """Router overhead: added latency per request and sustained streamed requests/s.
 
-    python benchmarks/router_overhead.py [--tokens 8] [--pace-ms 1] [--requests 2000] [--concurrency 64]
+    python benchmarks/router_overhead.py [--tokens 8] [--pace-ms 1] [--requests 3000] [--concurrency 64]
+                                         [--local-prefill] [--forwarder]
 
 Three processes, like a deployment on one host: fake workers (tests/router/fake_workers.py: real gRPC
-servers streaming one token per --pace-ms, no model), the router (`python -m router`), and this
-load generator. Added latency = a request's end-to-end time through the router (SDK -> router
--> workers) minus the same request sent straight to the fake workers the way the router sends
-it (Generate on D + Submit on P), both at concurrency 1. Throughput = streamed requests
+servers making one token per --pace-ms for every open request, no model), the router
+(`python -m router`), and this load generator. Added latency = a request's end-to-end time
+through the router (SDK -> router -> workers) minus the same request sent straight to the fake
+workers the way the router sends it (started on D's Session stream, submitted on P's:
+router/session.py), both at concurrency 1. Throughput = streamed requests
 completed per second through the router at --concurrency; the CPU time each process spent
 per request in that phase is printed beside it (read from /proc on Linux): on a shared machine
 requests/s follows what else runs there far more than the router's CPU per request does. All
 three processes run on uvloop where it is installed, as the router does.
 
---forwarder puts a bare grpc.aio forwarder in the router's place (Generate -> Generate on D +
-Submit on P, messages copied through; no validation, tokenizer, policy, metrics or failover):
-the floor any router on grpc.aio has on this machine, to read the router's numbers against.
+--forwarder puts a bare grpc.aio forwarder in the router's place (Generate -> a start on D's
+session + a submit on P's, messages copied through; no validation, tokenizer, policy, metrics or
+failover): the floor of a router with this transport on this machine, to read the router's
+numbers against.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from protos.auth import SECRET_ENV, new_secret  # noqa: E402
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
 from router.client import AsyncTandemClient  # noqa: E402
+from router.session import DecodeSession, PrefillSession  # noqa: E402
 
 
 async def serve_fakes(pace_s: float) -> None:
@@ -49,22 +53,22 @@ async def serve_fakes(pace_s: float) -> None:
 
 
 class Forwarder(tandem_pb2_grpc.TandemServicer):
-    """The least a router does per request: one Generate on D, one Submit on P, copy the stream."""
+    """The least a router does per request: a start on D's session, a submit on P's, copy the stream."""
 
     def __init__(self, prefill: str, decode: str) -> None:
         self.addresses = {"prefill": prefill, "decode": decode}
-        self.decode = worker_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(decode))
-        self.prefill = worker_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(prefill))
+        self.decode = DecodeSession(worker_pb2_grpc.DecodeWorkerStub(grpc.aio.insecure_channel(decode)), decode)
+        self.prefill = PrefillSession(worker_pb2_grpc.PrefillWorkerStub(grpc.aio.insecure_channel(prefill)), prefill)
         self.num_requests = 0
 
     async def Generate(self, request, context):
         self.num_requests += 1
         rid, prompt = f"fwd-{self.num_requests}", list(request.prompt_token_ids)
         sampling = worker_pb2.SamplingParams(max_tokens=request.sampling.max_tokens)
-        call = self.decode.Generate(worker_pb2.GenerateRequest(
+        call = self.decode.generate(worker_pb2.GenerateRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, prefill_address=self.addresses["prefill"]))
-        submit = self.prefill.Submit(worker_pb2.SubmitRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_address=self.addresses["decode"]))
+        submit = asyncio.ensure_future(self.prefill.submit(worker_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_address=self.addresses["decode"]), 30))
         async for response in call:
             chunk = tandem_pb2.CompletionChunk(request_id=rid, token_ids=response.token_ids)
             if response.finish_reason:
@@ -118,16 +122,24 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def direct_once(decode, prefill, addresses, rid: str, prompt: list[int], tokens: int) -> float:
+async def direct_once(decode: DecodeSession, prefill: PrefillSession | None, addresses, rid: str,
+                      prompt: list[int], tokens: int) -> float:
+    """One request straight to the workers; ``prefill=None``: the decode worker prefills it."""
     sampling = worker_pb2.SamplingParams(temperature=0.0, max_tokens=tokens)
     start = time.perf_counter()
-    call = decode.Generate(worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                      prefill_address=addresses["prefill"]))
-    submit = prefill.Submit(worker_pb2.SubmitRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-                                                     decode_address=addresses["decode"]))
+    submit = None
+    if prefill is None:
+        call = decode.generate(worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                                          local_prefill=True))
+    else:
+        call = decode.generate(worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                                          sampling=sampling, prefill_address=addresses["prefill"]))
+        submit = asyncio.ensure_future(prefill.submit(worker_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling, decode_address=addresses["decode"]), 30))
     async for _ in call:
         pass
-    await submit
+    if submit is not None:
+        await submit
     return time.perf_counter() - start
 
 
@@ -141,19 +153,20 @@ async def routed_once(client: AsyncTandemClient, prompt: list[int], tokens: int)
 async def measure(args, addresses: dict, router_grpc: str, pids: dict[str, int]) -> None:
     prompt = list(range(1000, 1016))
     channels = {role: grpc.aio.insecure_channel(addr) for role, addr in addresses.items()}
-    decode = worker_pb2_grpc.DecodeWorkerStub(channels["decode"])
-    prefill = worker_pb2_grpc.PrefillWorkerStub(channels["prefill"])
+    decode = DecodeSession(worker_pb2_grpc.DecodeWorkerStub(channels["decode"]), addresses["decode"])
+    prefill = PrefillSession(worker_pb2_grpc.PrefillWorkerStub(channels["prefill"]), addresses["prefill"])
+    direct_prefill = None if args.local_prefill else prefill
     async with AsyncTandemClient(router_grpc) as client:
         for i in range(50):  # warm up both paths
-            await direct_once(decode, prefill, addresses, f"warm-{i}", prompt, args.tokens)
+            await direct_once(decode, direct_prefill, addresses, f"warm-{i}", prompt, args.tokens)
             await routed_once(client, prompt, args.tokens)
         direct, routed = [], []
         for i in range(args.latency_requests):
-            direct.append(await direct_once(decode, prefill, addresses, f"d-{i}", prompt, args.tokens))
+            direct.append(await direct_once(decode, direct_prefill, addresses, f"d-{i}", prompt, args.tokens))
             routed.append(await routed_once(client, prompt, args.tokens))
         ms = 1000.0
         print(f"latency, concurrency 1, {args.tokens} tokens at {args.pace_ms} ms/token, "
-              f"{args.latency_requests} requests:")
+              f"{args.latency_requests} requests, {'local prefill on D' if args.local_prefill else 'P/D'}:")
         print(f"  direct to workers  p50 {pct(direct, .5) * ms:7.3f} ms  p99 {pct(direct, .99) * ms:7.3f} ms")
         print(f"  through router     p50 {pct(routed, .5) * ms:7.3f} ms  p99 {pct(routed, .99) * ms:7.3f} ms")
         print(f"  added by router    p50 {(pct(routed, .5) - pct(direct, .5)) * ms:7.3f} ms  "
@@ -180,6 +193,8 @@ async def measure(args, addresses: dict, router_grpc: str, pids: dict[str, int])
               f"{elapsed:.2f} s = {done / elapsed:.0f} requests/s, {done * args.tokens / elapsed:.0f} tokens/s")
         print("  CPU per request    " + "  ".join(f"{name} {v:.3f} ms" for name, v in cpu_ms.items())
               + (f"  (router alone on one core: {ms / cpu_ms['router']:.0f} requests/s)" if cpu_ms["router"] else ""))
+    await decode.close()
+    await prefill.close()
     for channel in channels.values():
         await channel.close()
 
@@ -195,6 +210,9 @@ def main() -> int:
     parser.add_argument("--latency-requests", type=int, default=300)
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--local-prefill", action="store_true",
+                        help="the router runs with --local-prefill-max-tokens 4096 (tandem serve's default on one CPU "
+                             "node): requests go to the decode worker alone")
     parser.add_argument("--forwarder", action="store_true",
                         help="measure a bare grpc.aio forwarder in the router's place (the transport's floor)")
     parser.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)
@@ -213,11 +231,14 @@ def main() -> int:
     router = None
     try:
         addresses = json.loads(read_line(fakes))
+        if args.forwarder and args.local_prefill:
+            parser.error("--forwarder always sends to both workers; leave out --local-prefill")
         if args.forwarder:
             argv = [__file__, "--serve-forwarder", addresses["prefill"], addresses["decode"]]
         else:
             argv = ["-m", "router", "--http-port", "-1", "--grpc-port", "0", "--prefill", addresses["prefill"],
-                    "--decode", addresses["decode"], "--max-waiting", "100000", "--log-level", "WARNING"]
+                    "--decode", addresses["decode"], "--max-waiting", "100000", "--log-level", "WARNING",
+                    "--local-prefill-max-tokens", "4096" if args.local_prefill else "0"]
         router = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=ROOT,
                                   env=env)
         ready = json.loads(read_line(router, "TANDEM_ROUTER_READY "))

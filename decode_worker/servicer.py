@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
 from decode_worker.worker import DecodeJob, DecodeLoop, EventBatch, StreamEvent
+from engine.config import SamplingParams
 from engine.serving.convert import check_request, logprobs_to_proto, sampling_from_proto
 from engine.serving.fingerprint import check_peer
 from protos.auth import SecretStub
@@ -79,6 +81,66 @@ def _fan_out(batch: EventBatch) -> None:
         sink(event)
 
 
+def _response(events: list[StreamEvent], params: SamplingParams
+              ) -> tuple[worker_pb2.GenerateResponse | None, bool, str | None]:
+    """One message for a request's events since its last one: (the message, or None when it
+    would be empty; whether the request is over; the error it failed with, if it did). An error
+    or a finish is a request's last event."""
+    response = worker_pb2.GenerateResponse()
+    k = params.logprobs or 0
+    for event in events:
+        if event.error is not None:
+            return (response if response.token_ids else None), True, event.error
+        response.token_ids.extend(event.token_ids)
+        if params.logprobs is not None:
+            response.logprobs.extend(logprobs_to_proto(t, e, k) for t, e in zip(event.token_ids, event.logprobs))
+        if event.finish_reason is not None:
+            response.finish_reason = event.finish_reason
+            response.num_prompt_tokens = event.num_prompt_tokens
+            response.num_output_tokens = event.num_output_tokens
+            response.num_cached_tokens = event.num_cached_tokens
+            return response, True, None
+    return (response if response.token_ids else None), False, None
+
+
+class _Session:
+    """One Session stream's state (asyncio thread): its open requests, and per request the events
+    (or the refusal) not yet sent, filled by ``_fan_out`` and the reader."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, DecodeJob] = {}
+        self.pending: dict[str, tuple[list[StreamEvent], tuple[grpc.StatusCode, str] | None]] = {}
+        self.reading = True
+        self.waiter: asyncio.Future | None = None
+
+    def sink(self, request_id: str) -> Callable[[StreamEvent], None]:
+        def put(event: StreamEvent) -> None:
+            entry = self.pending.get(request_id)
+            if entry is None:
+                self.pending[request_id] = ([event], None)
+                self.wake()
+            else:
+                entry[0].append(event)
+        return put
+
+    def refuse(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+        self.pending[request_id] = ([], (code, message))
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> dict[str, tuple[list[StreamEvent], tuple[grpc.StatusCode, str] | None]]:
+        """Everything pending; waits for something while the reader reads (or, once the router
+        has closed its side, while requests are open)."""
+        while not self.pending and (self.reading or self.jobs):
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        pending, self.pending = self.pending, {}
+        return pending
+
+
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, prefill: PrefillClients, rpc_timeout_s: float = 30.0, fingerprint: str = "") -> None:
         """``fingerprint``: this worker's (engine.serving.fingerprint); every prefill worker refuses
@@ -134,23 +196,34 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except grpc.aio.AioRpcError:
             pass  # already done there, or the worker is gone: nothing left to stop
 
+    def _job(self, request: worker_pb2.GenerateRequest, sink: Callable[[StreamEvent], None]) -> DecodeJob:
+        """The job for ``request``; ValueError (INVALID_ARGUMENT) when it is malformed."""
+        prompt = list(request.prompt_token_ids)
+        check_request(request.request_id, prompt, self.vocab_size, self.max_model_len)
+        params = sampling_from_proto(request.sampling)
+        if request.local_prefill == bool(request.prefill_address):
+            raise ValueError("name the prefill worker computing this prompt (prefill_address) or ask for "
+                             "local_prefill, not both" if request.local_prefill else
+                             "prefill_address is empty: name the prefill worker computing this prompt "
+                             "or ask for local_prefill")
+        return DecodeJob(request.request_id, prompt, params, request.prefill_address, sink=sink)
+
+    def _stopped(self, job: DecodeJob, aio_loop: asyncio.AbstractEventLoop) -> None:
+        """Free everything a request holds here and at its prefill worker (its reader went away)."""
+        request_id = job.request_id
+        self.loop.call(lambda: self.loop.abort(request_id))
+        if job.prefill_address:
+            aio_loop.create_task(self._abort_prefill(job.prefill_address, request_id))
+
     async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        events = _Events()
         try:
-            prompt = list(request.prompt_token_ids)
-            check_request(request.request_id, prompt, self.vocab_size, self.max_model_len)
-            params = sampling_from_proto(request.sampling)
-            if request.local_prefill == bool(request.prefill_address):
-                raise ValueError("name the prefill worker computing this prompt (prefill_address) or ask for "
-                                 "local_prefill, not both" if request.local_prefill else
-                                 "prefill_address is empty: name the prefill worker computing this prompt "
-                                 "or ask for local_prefill")
-            if params.structured is not None:   # compiled off the engine thread; a bad one is refused here
-                await asyncio.to_thread(self.loop.engine.grammars.compile, params.structured)
+            job = self._job(request, events.put)
+            if job.params.structured is not None:   # compiled off the engine thread; a bad one is refused here
+                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        events = _Events()
         aio_loop = self.aio_loop = asyncio.get_running_loop()
-        job = DecodeJob(request.request_id, prompt, params, request.prefill_address, sink=events.put)
         try:
             await self.loop.run(lambda: self.loop.add(job))
         except KeyError as exc:
@@ -158,37 +231,110 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         except ValueError as exc:   # the engine refused a local prefill's prompt
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finished = False
-        k = params.logprobs or 0
         try:
             while not finished:
-                response = worker_pb2.GenerateResponse()
-                error = None
-                for event in await events.take():   # an error or a finish is the stream's last event
-                    if event.error is not None:
-                        error = event.error
-                        break
-                    response.token_ids.extend(event.token_ids)
-                    if params.logprobs is not None:
-                        response.logprobs.extend(logprobs_to_proto(t, e, k)
-                                                 for t, e in zip(event.token_ids, event.logprobs))
-                    if event.finish_reason is not None:
-                        finished = True
-                        response.finish_reason = event.finish_reason
-                        response.num_prompt_tokens = event.num_prompt_tokens
-                        response.num_output_tokens = event.num_output_tokens
-                        response.num_cached_tokens = event.num_cached_tokens
-                        break
-                if response.token_ids or finished:
+                response, finished, error = _response(await events.take(), job.params)
+                if response is not None:
                     yield response
                 if error is not None:
-                    finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, error)
         finally:
             if not finished:  # the client went away: free everything for this request now
-                request_id = request.request_id
-                self.loop.call(lambda: self.loop.abort(request_id))
-                if job.prefill_address:
-                    aio_loop.create_task(self._abort_prefill(job.prefill_address, request_id))
+                self._stopped(job, aio_loop)
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Many requests on one stream (the router's data plane): see worker.proto's DecodeSessionRequest.
+        A request that is refused or fails ends with an output carrying its error_code; when the
+        stream breaks, every request still open on it is stopped as if its Generate were cancelled."""
+        aio_loop = self.aio_loop = asyncio.get_running_loop()
+        session = _Session()
+        compiling: set[asyncio.Task] = set()
+
+        def admit(jobs: list[DecodeJob]) -> None:   # engine thread
+            for job in jobs:
+                try:
+                    self.loop.add(job)
+                except (KeyError, ValueError) as exc:
+                    code = (grpc.StatusCode.ALREADY_EXISTS if isinstance(exc, KeyError)
+                            else grpc.StatusCode.INVALID_ARGUMENT)
+                    aio_loop.call_soon_threadsafe(session.refuse, job.request_id, code, str(exc.args[0]))
+
+        async def compile_then_admit(job: DecodeJob) -> None:
+            try:
+                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
+            except ValueError as exc:
+                session.refuse(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                return
+            if job.request_id in session.jobs:      # not aborted meanwhile
+                self.loop.call(lambda: admit([job]))
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    jobs = []
+                    for request in message.generate:
+                        rid = request.request_id
+                        if rid in session.jobs:   # the router never does this: the first one goes on
+                            logger.warning("session: request_id=%s is already open on it; ignored", rid)
+                            continue
+                        try:
+                            job = self._job(request, session.sink(rid))
+                        except ValueError as exc:
+                            session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                            continue
+                        if not self.loop.alive:
+                            session.refuse(rid, grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")
+                            continue
+                        session.jobs[rid] = job
+                        if job.params.structured is None:
+                            jobs.append(job)
+                        else:
+                            task = aio_loop.create_task(compile_then_admit(job))
+                            compiling.add(task)
+                            task.add_done_callback(compiling.discard)
+                    if jobs:
+                        self.loop.call(lambda jobs=jobs: admit(jobs))
+                    for rid in message.abort:
+                        job = session.jobs.pop(rid, None)
+                        if job is not None:
+                            self._stopped(job, aio_loop)
+            finally:
+                session.reading = False
+                session.wake()
+
+        reader = aio_loop.create_task(read())
+        try:
+            while session.reading or session.jobs or session.pending:
+                response = worker_pb2.DecodeSessionResponse()
+                for rid, (events, refusal) in (await session.take()).items():
+                    job = session.jobs.get(rid)
+                    if refusal is not None:
+                        session.jobs.pop(rid, None)
+                        response.outputs.append(worker_pb2.GenerateResponse(
+                            request_id=rid, error_code=refusal[0].value[0], error=refusal[1]))
+                        continue
+                    if job is None:
+                        continue   # aborted by the router: it reads nothing more of it
+                    out, finished, error = _response(events, job.params)
+                    if finished:
+                        del session.jobs[rid]
+                    if error is not None:
+                        out = out or worker_pb2.GenerateResponse()
+                        out.error_code, out.error = grpc.StatusCode.UNAVAILABLE.value[0], error
+                    if out is not None:
+                        out.request_id = rid
+                        response.outputs.append(out)
+                if response.outputs:
+                    yield response
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()   # the stream broke: stop what it left open (finally)
+        finally:
+            reader.cancel()
+            for task in list(compiling):
+                task.cancel()
+            for job in session.jobs.values():   # the router went away: free what it left open
+                self._stopped(job, aio_loop)
+            session.jobs.clear()
 
     async def SetPrefill(self, request: worker_pb2.SetPrefillRequest, context: grpc.aio.ServicerContext):
         if not request.request_id or not request.prefill_address:

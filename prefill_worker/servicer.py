@@ -1,5 +1,8 @@
 """gRPC servicer of the prefill worker: converts protos, validates, calls the engine thread.
 
+Submits come one per call (``Submit``) or many on the router's ``Session`` stream; both queue the
+job through ``_submit`` on the engine thread.
+
 ``SetDestination`` is also the model handshake: the decode worker sends its fingerprint
 (engine/serving/fingerprint.py) and gets this worker's back; a destination of another model or
 KV layout is refused with FAILED_PRECONDITION naming both, and the request is dropped here.
@@ -16,6 +19,24 @@ from prefill_worker.worker import AbortedBeforeSubmit, Destination, PrefillJob, 
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_DESCRIPTOR_BYTES = 1 << 16
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class _SessionState:
+    """A Session stream's progress: whether the router still writes, submits not yet answered."""
+
+    def __init__(self) -> None:
+        self.reading = True
+        self.outstanding = 0
+        self.waiter: asyncio.Future | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+
+def _refused(request_id: str, code: grpc.StatusCode, message: str) -> worker_pb2.SubmitResponse:
+    return worker_pb2.SubmitResponse(request_id=request_id, error_code=code.value[0], error=message)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -25,25 +46,108 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.vocab_size = loop.engine.arch.vocab_size
         self.max_model_len = loop.engine.max_model_len
 
+    def _job(self, request: worker_pb2.SubmitRequest) -> PrefillJob:
+        """The job for ``request``; ValueError (INVALID_ARGUMENT) when it is malformed."""
+        prompt = list(request.prompt_token_ids)
+        check_request(request.request_id, prompt, self.vocab_size, self.max_model_len)
+        return PrefillJob(request.request_id, prompt, sampling_from_proto(request.sampling), request.decode_address)
+
+    def _submit(self, job: PrefillJob) -> worker_pb2.SubmitResponse:
+        """Queue ``job`` (engine thread): its answer, with the refusal's status when refused."""
+        try:
+            cached = self.loop.submit(job)
+        except KeyError as exc:
+            return _refused(job.request_id, grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
+        except AbortedBeforeSubmit as exc:
+            return _refused(job.request_id, grpc.StatusCode.ABORTED, str(exc))
+        except ValueError as exc:
+            return _refused(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return worker_pb2.SubmitResponse(request_id=job.request_id, num_cached_tokens=cached)
+
     async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         try:
-            prompt = list(request.prompt_token_ids)
-            check_request(request.request_id, prompt, self.vocab_size, self.max_model_len)
-            params = sampling_from_proto(request.sampling)
-            if params.structured is not None:   # compiled off the engine thread; a bad one is refused here
-                await asyncio.to_thread(self.loop.engine.grammars.compile, params.structured)
+            job = self._job(request)
+            if job.params.structured is not None:   # compiled off the engine thread; a bad one is refused here
+                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        job = PrefillJob(request.request_id, prompt, params, request.decode_address)
+        response = await self.loop.run(lambda: self._submit(job))
+        if response.error_code:
+            await context.abort(_STATUS[response.error_code], response.error)
+        return worker_pb2.SubmitResponse(num_cached_tokens=response.num_cached_tokens)
+
+    async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
+        """Submits and aborts on one stream (the router's data plane): see worker.proto's
+        PrefillSessionRequest. Every submit gets its SubmitResponse on the stream, in one message
+        with the others answered in the same engine-thread turn; the requests outlive the stream
+        (the decode worker aborts here what it stops)."""
+        aio_loop = asyncio.get_running_loop()
+        answers: list[worker_pb2.SubmitResponse] = []
+        compiling: set[asyncio.Task] = set()
+        state = _SessionState()
+
+        def answer(responses: list[worker_pb2.SubmitResponse], queued: int = 0) -> None:   # asyncio thread
+            answers.extend(responses)
+            state.outstanding -= queued
+            state.wake()
+
+        def submit_all(jobs: list[PrefillJob]) -> None:   # engine thread
+            responses = [self._submit(job) for job in jobs]
+            aio_loop.call_soon_threadsafe(answer, responses, len(jobs))
+
+        async def compile_then_submit(job: PrefillJob) -> None:
+            try:
+                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
+            except ValueError as exc:
+                answer([_refused(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))], 1)
+                return
+            self.loop.call(lambda: submit_all([job]))
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    jobs = []
+                    for request in message.submit:
+                        try:
+                            job = self._job(request)
+                        except ValueError as exc:
+                            answer([_refused(request.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))])
+                            continue
+                        if not self.loop.alive:
+                            answer([_refused(request.request_id, grpc.StatusCode.UNAVAILABLE,
+                                             "the engine thread is not running")])
+                            continue
+                        state.outstanding += 1
+                        if job.params.structured is None:
+                            jobs.append(job)
+                        else:
+                            task = aio_loop.create_task(compile_then_submit(job))
+                            compiling.add(task)
+                            task.add_done_callback(compiling.discard)
+                    if jobs:
+                        self.loop.call(lambda jobs=jobs: submit_all(jobs))
+                    for rid in message.abort:
+                        self.loop.call(lambda rid=rid: self.loop.abort(rid))
+            finally:
+                state.reading = False
+                state.wake()
+
+        reader = aio_loop.create_task(read())
         try:
-            cached = await self.loop.run(lambda: self.loop.submit(job))
-        except KeyError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
-        except AbortedBeforeSubmit as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return worker_pb2.SubmitResponse(num_cached_tokens=cached)
+            while state.reading or state.outstanding or answers:
+                while not answers and (state.reading or state.outstanding):
+                    state.waiter = aio_loop.create_future()
+                    await state.waiter
+                if answers:
+                    response = worker_pb2.PrefillSessionResponse(results=answers)
+                    answers.clear()
+                    yield response
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()
+        finally:
+            reader.cancel()
+            for task in list(compiling):
+                task.cancel()
 
     async def SetDestination(self, request: worker_pb2.SetDestinationRequest, context: grpc.aio.ServicerContext):
         if not request.request_id or not request.block_ids or not request.region_descriptor:

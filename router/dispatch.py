@@ -1,9 +1,10 @@
 """The request flow at the router: pick a prefill/decode pair, open the stream, fail over.
 
-Runs on the router's asyncio loop. One attempt = ``DecodeWorker.Generate`` opened on D and
-``PrefillWorker.Submit`` sent to P concurrently, with the same request id. Tokens stream from
-D. When an attempt breaks — P or D removed by the registry, the stream ends with a transient
-gRPC error, or Submit fails transiently — both workers are probed (a dead one is removed) and
+Runs on the router's asyncio loop. One attempt = the request started on D's session stream and
+submitted on P's, concurrently, with the same request id (router/session.py: one ``Session``
+stream per worker carries all of the router's requests there). Tokens stream from D. When an
+attempt breaks — P or D removed by the registry, the stream ends with a transient gRPC error,
+or Submit fails transiently — both workers are probed (a dead one is removed) and
 the request is dispatched again to a fresh pair with prompt + the tokens already streamed and
 the remaining ``max_tokens``, so the caller sees one unbroken token stream with nothing
 duplicated or missing. A prefill worker lost while its request still waits for KV is replaced
@@ -23,7 +24,7 @@ running batch; no prefill worker, no KV transfer. An attempt without a prefill w
 ``prefill=None`` and ``prefill_done`` from the start.
 
 Cleanup of an unfinished attempt is synchronous (it runs while the caller is being cancelled):
-cancel the D stream and send Abort to P and D at once in background tasks.
+cancel the request on D's session and abort it on P's (both only queue a message).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from protos.tandem.v1 import worker_pb2
 from router import errors
 from router.policies import Policy
 from router.registry import WorkerRegistry, WorkerState
+from router.session import DecodeSession, PrefillSession, SessionCall
 
 logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
@@ -64,7 +66,7 @@ class Attempt:
     request_id: str
     prefill: WorkerState | None        # None: the decode worker prefills the prompt itself
     decode: WorkerState
-    call: grpc.aio.UnaryStreamCall | None = None
+    call: SessionCall | None = None
     submit_request: worker_pb2.SubmitRequest | None = None
     submit: asyncio.Task | None = None
     submit_error: grpc.aio.AioRpcError | None = None
@@ -176,7 +178,8 @@ class Dispatcher:
                 self.num_waiting -= 1
 
     async def close(self) -> None:
-        """Wait for the background Abort calls (call after the servers stopped taking requests)."""
+        """Wait for the background tasks: Submits, prefill replacements (call after the servers
+        stopped taking requests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
@@ -219,13 +222,14 @@ class Dispatcher:
         prefill = None if self._local(progress) else self._pick("prefill", self.prefill_policy, prompt, avoid)
         decode = self._pick("decode", self.decode_policy, prompt, avoid)
         attempt = Attempt(attempt_id, prefill, decode)
+        assert isinstance(decode.session, DecodeSession)
         if prefill is None:
             attempt.prefill_done = True
-            attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
+            attempt.call = decode.session.generate(worker_pb2.GenerateRequest(
                 request_id=attempt_id, prompt_token_ids=prompt, sampling=params, local_prefill=True))
             workers: tuple[WorkerState, ...] = (decode,)
         else:
-            attempt.call = decode.stub.Generate(worker_pb2.GenerateRequest(
+            attempt.call = decode.session.generate(worker_pb2.GenerateRequest(
                 request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
             attempt.submit_request = worker_pb2.SubmitRequest(
                 request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
@@ -240,8 +244,9 @@ class Dispatcher:
     async def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
         prefill = attempt.prefill
         assert prefill is not None
+        assert isinstance(prefill.session, PrefillSession)
         try:
-            await prefill.stub.Submit(request, timeout=self.rpc_timeout_s)
+            await prefill.session.submit(request, self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
             if attempt.finished or attempt.call.done():
                 return
@@ -264,23 +269,14 @@ class Dispatcher:
         if attempt.finished:
             return
         attempt.finished = True
-        attempt.call.cancel()
-        # Abort at both workers at once; the decode worker also aborts at P when its stream
-        # is cancelled, but that takes a hop and the request may not have reached D yet.
-        for worker in (attempt.prefill, attempt.decode):
-            if worker is not None and not worker.removed:
-                submit = attempt.submit if worker is attempt.prefill else None
-                self._spawn(self._abort(worker, attempt.request_id, submit))
-
-    async def _abort(self, worker: WorkerState, request_id: str, submit: asyncio.Task | None) -> None:
-        if submit is not None and not submit.done():
-            await asyncio.wait([submit])  # an Abort that overtakes its Submit would find nothing
-        try:
-            await worker.stub.Abort(worker_pb2.AbortRequest(request_id=request_id), timeout=self.rpc_timeout_s)
-        except grpc.aio.AioRpcError:
-            pass  # NOT_FOUND (already finished or never arrived) or the worker is gone
-        except asyncio.CancelledError:
-            pass
+        attempt.call.cancel()   # D aborts it: the abort follows the start on its session stream
+        # Abort at P at once too, on its session after the Submit; the decode worker also aborts
+        # at P when the request is cancelled there, but that takes a hop and the request may
+        # not have reached D yet.
+        prefill = attempt.prefill
+        if prefill is not None and not prefill.removed:
+            assert isinstance(prefill.session, PrefillSession)
+            prefill.session.abort(attempt.request_id)
 
     def _describe_break(self, attempt: Attempt) -> str:
         if attempt.lost is not None:

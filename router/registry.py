@@ -39,6 +39,7 @@ from engine.serving.fingerprint import Fingerprint, ModelIdentity, local_model_i
 from protos.auth import SecretStub
 from protos.limits import MAX_MESSAGE_BYTES, ROLES
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from router.session import DecodeSession, PrefillSession
 
 logger = logging.getLogger(__name__)
 # HTTP/2 keepalive: a peer whose process froze or whose host vanished stops answering pings and
@@ -55,6 +56,7 @@ class WorkerState:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.PrefillWorkerStub | worker_pb2_grpc.DecodeWorkerStub | SecretStub
+    session: DecodeSession | PrefillSession | None = None   # the stream every request goes on
     stats: worker_pb2.StatsResponse | None = None
     healthy: bool = False              # answered since it joined and has not been removed
     missed: int = 0                    # heartbeats in a row that found the worker gone
@@ -116,7 +118,8 @@ class WorkerRegistry:
                                                               *KEEPALIVE_OPTIONS])
         stub_cls = worker_pb2_grpc.PrefillWorkerStub if role == "prefill" else worker_pb2_grpc.DecodeWorkerStub
         stub = stub_cls(channel) if self._secret is None else SecretStub(stub_cls(channel), self._secret)
-        worker = self._workers[address] = WorkerState(role, address, channel, stub)
+        session = (DecodeSession if role == "decode" else PrefillSession)(stub, address)
+        worker = self._workers[address] = WorkerState(role, address, channel, stub, session)
         logger.info("registered %s worker %s", role, address)
         if self._task is not None:
             worker._probe = asyncio.get_running_loop().create_task(self.poll(worker))
@@ -130,6 +133,8 @@ class WorkerRegistry:
         logger.warning("removed %s worker %s: %s", worker.role, address, reason)
         for listener in self._listeners:
             listener(worker)
+        if worker.session is not None:
+            await worker.session.close()
         await worker.channel.close()
         self._changed.set()
         return True
@@ -306,6 +311,8 @@ class WorkerRegistry:
         await asyncio.gather(*tasks, return_exceptions=True)
         self._task = None
         for worker in self._workers.values():
+            if worker.session is not None:
+                await worker.session.close()
             await worker.channel.close()
         self._workers.clear()
 

@@ -17,7 +17,7 @@ A fingerprint is two parts (docs/architecture.md#security):
   per rank x head dim / block size) and TP rank / size.
 
 Its string form is one line of ``key=value`` pairs, stable across processes and hosts, e.g.
-``proto=1 arch=LlamaForCausalLM config=1f0c... weights=9ab2... name=m.gguf dtype=float32
+``proto=2 arch=LlamaForCausalLM config=1f0c... weights=9ab2... name=m.gguf dtype=float32
 kv=30x3x64/16 tp=0/1``.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 from engine.model_source import BUILTIN_MODELS, ModelSource, load_arch, resolve_model
 from engine.models.arch import ArchConfig
 
-PROTOCOL_VERSION = 1          # bump when the worker.proto handshake or KV transfer changes meaning
+PROTOCOL_VERSION = 2          # bump when the worker.proto handshake or KV transfer changes meaning (2: Session streams)
 SAMPLES_PER_FILE = 16
 SAMPLE_NBYTES = 64 << 10
 DIGEST_NBYTES = 8             # 16 hex digits: a label that must not collide by chance

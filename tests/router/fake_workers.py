@@ -1,14 +1,16 @@
 """In-process twins of the prefill and decode workers, for router tests and the router benchmark.
 
 Real grpc.aio servers on port 0 speaking worker.proto, so the router talks to them exactly as
-to real workers. The fake decode worker makes one token per ``token_interval_s`` for each open
-stream, a deterministic function of the sequence so far (``next_token``), so a request resumed
-from prompt + generated tokens continues with the same tokens, like a greedy model. Tokens are
-made in steps, like the real decode worker's engine steps: one timer makes a token for every
-open stream, starting when a stream opens on an idle worker; a stream's handler sends
-everything made since its last message in one GenerateResponse -- one token while the reader
-keeps up, several when it lags. ``kv_blocks_used`` is the number of open streams, so "no blocks
-left in use" can be asserted. No torch, no engine.
+to real workers (on their Session streams; Generate and Submit serve direct callers). The fake
+decode worker makes one token per ``token_interval_s`` for each open stream, a deterministic
+function of the sequence so far (``next_token``), so a request resumed from prompt + generated
+tokens continues with the same tokens, like a greedy model. Tokens are made in steps, like the
+real decode worker's engine steps: one timer makes a token for every open stream, starting when
+a stream opens on an idle worker. A Generate handler sends everything made since its last
+message in one GenerateResponse -- one token while the reader keeps up, several when it lags --
+and a Session sends every one of its requests' new tokens in one DecodeSessionResponse.
+``kv_blocks_used`` is the number of open streams, so "no blocks left in use" can be asserted.
+No torch, no engine.
 """
 from __future__ import annotations
 
@@ -45,6 +47,8 @@ class FakeState:
     seen: list[str] = field(default_factory=list)        # request ids, in arrival order
     aborted: list[str] = field(default_factory=list)
     local_prefill: list[str] = field(default_factory=list)   # decode: Generate asked it to prefill itself
+    num_sessions: int = 0             # Session streams opened
+    num_generate_calls: int = 0       # decode: Generate calls
 
     def stats(self, role: str) -> worker_pb2.StatsResponse:
         return worker_pb2.StatsResponse(role=role, num_running=len(self.active), kv_blocks_used=len(self.active),
@@ -59,6 +63,18 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
     async def Submit(self, request, context):
         self.state.seen.append(request.request_id)
         return worker_pb2.SubmitResponse()
+
+    async def Session(self, request_iterator, context):
+        """Submits answered at once, aborts recorded like Abort calls."""
+        self.state.num_sessions += 1
+        async for message in request_iterator:
+            results = []
+            for request in message.submit:
+                self.state.seen.append(request.request_id)
+                results.append(worker_pb2.SubmitResponse(request_id=request.request_id))
+            self.state.aborted.extend(message.abort)
+            if results:
+                yield worker_pb2.PrefillSessionResponse(results=results)
 
     async def SetDestination(self, request, context):
         return worker_pb2.SetDestinationResponse()
@@ -119,6 +135,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.fail_after_tokens = fail_after_tokens   # end each stream with UNAVAILABLE after this many
         self.stats_delay_s = 0.0                     # a slow (or, with a large value, hung) Stats
         self.stats_gone = False                      # Stats answers UNAVAILABLE (engine thread dead)
+        self.refused_token: int | None = None        # a prompt holding it is refused (INVALID_ARGUMENT)
         self._generating: dict[str, _FakeStream] = {}
         self._next_step: asyncio.TimerHandle | None = None
 
@@ -134,10 +151,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         if self._next_step is None and self._generating:
             self._next_step = asyncio.get_running_loop().call_later(self.token_interval_s, self._step)
 
-    async def Generate(self, request, context):
+    def _open(self, request) -> _FakeStream:
         rid = request.request_id
-        if rid in self.state.active:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id={rid!r} is running")
         self.state.active.add(rid)
         self.state.seen.append(rid)
         if request.local_prefill:
@@ -147,24 +162,97 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                              frozenset(params.stop_token_ids), params.ignore_eos, self.fail_after_tokens)
         self._generating[rid] = stream
         self._schedule_step()
+        return stream
+
+    def _close(self, rid: str) -> None:
+        self._generating.pop(rid, None)
+        self.state.active.discard(rid)
+
+    @staticmethod
+    def _response(request, stream: _FakeStream, tokens: list[int]) -> worker_pb2.GenerateResponse:
+        params = request.sampling
+        response = worker_pb2.GenerateResponse(token_ids=tokens)
+        if params.HasField("logprobs"):
+            response.logprobs.extend(_fake_logprobs(t, params.logprobs) for t in tokens)
+        if stream.finish_reason is not None and not stream.pending:
+            response.finish_reason = stream.finish_reason
+            response.num_prompt_tokens = len(request.prompt_token_ids)
+            response.num_output_tokens = stream.num_made
+        return response
+
+    async def Generate(self, request, context):
+        rid = request.request_id
+        if not isinstance(context, _SessionContext):
+            self.state.num_generate_calls += 1
+        if rid in self.state.active:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id={rid!r} is running")
+        if self.refused_token in request.prompt_token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"token {self.refused_token} is refused")
+        stream = self._open(request)
         try:
             while True:
                 tokens = await stream.take()
                 if stream.failed and not tokens:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode failure")
-                response = worker_pb2.GenerateResponse(token_ids=tokens)
-                if params.HasField("logprobs"):
-                    response.logprobs.extend(_fake_logprobs(t, params.logprobs) for t in tokens)
-                if stream.finish_reason is not None and not stream.pending:
-                    response.finish_reason = stream.finish_reason
-                    response.num_prompt_tokens = len(request.prompt_token_ids)
-                    response.num_output_tokens = stream.num_made
+                response = self._response(request, stream, tokens)
                 yield response
                 if response.finish_reason:
                     return
         finally:
-            self._generating.pop(rid, None)
-            self.state.active.discard(rid)
+            self._close(rid)
+
+    async def Session(self, request_iterator, context):
+        """The real worker's Session (decode_worker/servicer.py) over this servicer's own Generate
+        (so subclasses that script Generate serve sessions too): every request's messages since
+        the last one leave together -- one step's tokens for all of them in one message; aborts
+        on the stream are recorded like Abort calls."""
+        self.state.num_sessions += 1
+        outputs: list[worker_pb2.GenerateResponse] = []
+        wake = asyncio.Event()
+        running: dict[str, asyncio.Task] = {}
+
+        async def run(request) -> None:
+            rid = request.request_id
+            try:
+                async for response in self.Generate(request, _SessionContext()):
+                    response.request_id = rid
+                    outputs.append(response)
+                    wake.set()
+            except _Refused as exc:
+                outputs.append(worker_pb2.GenerateResponse(request_id=rid, error_code=exc.code.value[0],
+                                                           error=exc.details))
+                wake.set()
+            finally:
+                if running.get(rid) is asyncio.current_task():
+                    del running[rid]
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for request in message.generate:
+                    running[request.request_id] = asyncio.get_running_loop().create_task(run(request))
+                for rid in message.abort:
+                    self.state.aborted.append(rid)
+                    task = running.pop(rid, None)
+                    if task is not None:
+                        task.cancel()
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while not reader.done() or running or outputs:
+                if not outputs:
+                    wake.clear()
+                    waiter = asyncio.ensure_future(wake.wait())
+                    await asyncio.wait([waiter, reader], return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    await asyncio.sleep(0)   # let every stream woken by the same step add its tokens
+                if outputs:
+                    response = worker_pb2.DecodeSessionResponse(outputs=outputs)
+                    outputs.clear()   # before the yield: streams add to it while the message is sent
+                    yield response
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
 
     async def Abort(self, request, context):
         self.state.aborted.append(request.request_id)
@@ -177,6 +265,19 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         if self.stats_gone:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")
         return self.state.stats("decode")
+
+
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _SessionContext:
+    """What Generate gets when it serves one request of a Session: ``abort`` ends that request alone."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Refused(code, details)
 
 
 def _fake_logprobs(token: int, k: int) -> worker_pb2.TokenLogprobs:

@@ -10,7 +10,7 @@ import pytest
 
 from protos.auth import SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc, worker_pb2
-from router.client import AsyncTandemClient
+from router.client import AsyncTandemClient, InvalidArgument
 from router.config import RouterConfig
 from router.server import Router
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
@@ -84,6 +84,36 @@ def test_client_disconnect_aborts_at_both_workers(loop_thread, tokenizer):
         await until(lambda: cluster.router.dispatcher.num_waiting == 0)
         assert all(w.num_inflight == 0 for w in cluster.router.registry.all())
     run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.02})
+
+
+def test_requests_share_one_session_stream_per_decode_worker(loop_thread, tokenizer):
+    """No gRPC call per request to the decode worker: every request rides the router's one
+    Session stream, and one step's tokens for many requests come back in one message."""
+    async def body(cluster):
+        decode = cluster.decodes[0]
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            async def one(i: int):
+                return [t async for c in client.generate_stream([200 + i, 9], max_tokens=6) for t in c.token_ids]
+            results = await asyncio.gather(*(one(i) for i in range(40)))
+        assert results == [fake_completion([200 + i, 9], 6) for i in range(40)]
+        assert (decode.state.num_sessions, decode.state.num_generate_calls) == (1, 0)
+        assert len(decode.state.seen) == 40 and not decode.state.active
+    run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.005})
+
+
+def test_a_decode_worker_that_refuses_one_request_serves_the_others_on_the_session(loop_thread, tokenizer):
+    async def body(cluster):
+        decode = cluster.decodes[0]
+        decode.servicer.refused_token = 41
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            slow = asyncio.ensure_future(client.generate([31, 32], max_tokens=40))
+            await until(lambda: decode.state.active)
+            with pytest.raises(InvalidArgument, match="token 41 is refused"):
+                await client.generate([41], max_tokens=3)
+            out = await slow
+        assert out.token_ids == fake_completion([31, 32], 40)
+        assert decode.state.num_sessions == 1         # the refusal did not break the stream
+    run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.005})
 
 
 def test_256_concurrent_streams_complete(loop_thread, tokenizer):

@@ -39,6 +39,11 @@ class PrefillWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.SubmitResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/tandem.v1.PrefillWorker/Session',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillSessionResponse.FromString,
+                _registered_method=True)
         self.SetDestination = channel.unary_unary(
                 '/tandem.v1.PrefillWorker/SetDestination',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SetDestinationRequest.SerializeToString,
@@ -60,6 +65,12 @@ class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Submit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +101,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.SubmitRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.SubmitResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillSessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.PrefillSessionResponse.SerializeToString,
             ),
             'SetDestination': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDestination,
@@ -134,6 +150,33 @@ class PrefillWorker:
             '/tandem.v1.PrefillWorker/Submit',
             tandem_dot_v1_dot_worker__pb2.SubmitRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.SubmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.PrefillWorker/Session',
+            tandem_dot_v1_dot_worker__pb2.PrefillSessionRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.PrefillSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -240,6 +283,11 @@ class DecodeWorkerStub:
                 request_serializer=tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/tandem.v1.DecodeWorker/Session',
+                request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeSessionResponse.FromString,
+                _registered_method=True)
         self.SetPrefill = channel.unary_unary(
                 '/tandem.v1.DecodeWorker/SetPrefill',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.SetPrefillRequest.SerializeToString,
@@ -261,6 +309,12 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -291,6 +345,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeSessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_worker__pb2.DecodeSessionResponse.SerializeToString,
             ),
             'SetPrefill': grpc.unary_unary_rpc_method_handler(
                     servicer.SetPrefill,
@@ -335,6 +394,33 @@ class DecodeWorker:
             '/tandem.v1.DecodeWorker/Generate',
             tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.DecodeWorker/Session',
+            tandem_dot_v1_dot_worker__pb2.DecodeSessionRequest.SerializeToString,
+            tandem_dot_v1_dot_worker__pb2.DecodeSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,323 @@
+"""The router's data plane to its workers: one long-lived ``Session`` stream per worker.
+
+Every request the router sends to a worker travels on the one stream it keeps open to that
+worker, instead of a call of its own: what is started or aborted in the same turn of the event
+loop leaves in one message, and a decode worker's engine step brings the tokens of all of them
+back in one message. Per request that saves the gRPC calls (HTTP/2 stream set-up, metadata, a
+completion-queue round per message); per token, a message.
+
+- ``DecodeSession.generate`` returns a ``SessionCall``, which the dispatcher uses as it would a
+  ``DecodeWorker.Generate`` call: iterate it for ``GenerateResponse`` messages, ``cancel()`` it
+  (the worker is told to abort the request), ``done()``.
+- ``PrefillSession.submit`` is ``PrefillWorker.Submit``: it returns the ``SubmitResponse``;
+  ``abort`` is ``PrefillWorker.Abort`` without an answer.
+
+A request the worker refuses or fails ends with ``grpc.aio.AioRpcError`` carrying the worker's
+status code. When a stream breaks (the worker died, the connection dropped, the registry removed
+the worker) every request open on it ends with that error and the next request opens a new
+stream; the worker frees what was open on a decode stream that broke.
+
+Runs on the router's asyncio loop; nothing here is thread-safe.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import grpc
+
+from protos.limits import MAX_MESSAGE_BYTES
+from protos.tandem.v1 import worker_pb2
+
+logger = logging.getLogger(__name__)
+FLUSH_BYTES = MAX_MESSAGE_BYTES // 4   # prompts per message, well under the message limit
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+def _refusal(error_code: int, error: str) -> grpc.aio.AioRpcError:
+    return rpc_error(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error)
+
+
+class _Session:
+    """One worker's stream: batches what is started and aborted per turn of the loop, reads the
+    answers on a task, and fails everything open when the stream breaks. Subclasses name the
+    messages and route each answer to its request."""
+
+    role = ""
+
+    def __init__(self, stub: Any, address: str) -> None:
+        self._stub = stub
+        self.address = address
+        self._call: Any = None                # the open stream-stream call, or None
+        self._open_requests: dict[str, Any] = {}
+        self._starts: list[Any] = []
+        self._aborts: list[str] = []
+        self._flush_scheduled = False
+        self._outbox: asyncio.Queue[Any] | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._closed = False
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open_requests)
+
+    async def close(self) -> None:
+        """End the stream; what is open on it fails UNAVAILABLE."""
+        self._closed = True
+        self._broken(rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} was removed"))
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # -- for subclasses ------------------------------------------------------------------
+    def _message(self, starts: list[Any], aborts: list[str]) -> Any:
+        raise NotImplementedError
+
+    def _answers(self, response: Any) -> Any:
+        raise NotImplementedError
+
+    def _deliver(self, target: Any, answer: Any) -> bool:
+        """Hand ``answer`` to its request; True when that was the request's last."""
+        raise NotImplementedError
+
+    def _fail(self, target: Any, error: grpc.aio.AioRpcError) -> None:
+        raise NotImplementedError
+
+    def _start(self, request_id: str, request: Any, target: Any) -> bool:
+        """Queue ``request``; False (``target`` already failed) when the session is closed."""
+        if self._closed:
+            self._fail(target, rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} was removed"))
+            return False
+        if self._call is None:
+            self._open()
+        self._open_requests[request_id] = target
+        self._starts.append(request)
+        self._schedule_flush()
+        return True
+
+    def _abort(self, request_id: str) -> None:
+        if self._closed:
+            return
+        if self._call is None:
+            self._open()
+        self._aborts.append(request_id)
+        self._schedule_flush()
+
+    # -- the stream ---------------------------------------------------------------------
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        """Everything started or aborted in this turn of the loop, in one message (several when
+        the prompts add up to more than FLUSH_BYTES); aborts after the starts, since one of them
+        may stop a request just started."""
+        self._flush_scheduled = False
+        outbox = self._outbox
+        starts, aborts, self._starts, self._aborts = self._starts, self._aborts, [], []
+        if outbox is None:
+            return
+        batch: list[Any] = []
+        size = 0
+        for request in starts:
+            request_size = request.ByteSize()
+            if batch and size + request_size > FLUSH_BYTES:
+                outbox.put_nowait(self._message(batch, []))
+                batch, size = [], 0
+            batch.append(request)
+            size += request_size
+        if batch or aborts:
+            outbox.put_nowait(self._message(batch, aborts))
+
+    def _open(self) -> None:
+        call = self._call = self._stub.Session()
+        outbox: asyncio.Queue[Any] = asyncio.Queue()
+        self._outbox = outbox
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._write(call, outbox)), loop.create_task(self._read(call))]
+
+    async def _write(self, call: Any, outbox: asyncio.Queue) -> None:
+        try:
+            while True:
+                message = await outbox.get()
+                if message is None:   # the stream broke or the session closed
+                    return
+                await call.write(message)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            logger.debug("session to %s: write failed: %s", self.address, exc)   # the reader sees the break
+
+    async def _read(self, call: Any) -> None:
+        open_requests = self._open_requests
+        try:
+            async for response in call:
+                for answer in self._answers(response):
+                    target = open_requests.get(answer.request_id)
+                    if target is not None and self._deliver(target, answer):
+                        del open_requests[answer.request_id]
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} ended the session")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session to {self.role} worker {self.address} closed")
+        if self._call is call:
+            self._broken(error)
+
+    def _broken(self, error: grpc.aio.AioRpcError) -> None:
+        """The stream is gone: fail every open request with ``error``; the next request reopens."""
+        call, self._call = self._call, None
+        if self._outbox is not None:
+            self._outbox.put_nowait(None)
+            self._outbox = None
+        if call is not None:
+            call.cancel()
+        open_requests, self._open_requests = self._open_requests, {}
+        self._starts, self._aborts = [], []
+        for target in open_requests.values():
+            self._fail(target, error)
+
+
+class SessionCall:
+    """One request's stream of ``GenerateResponse`` on a decode session; the twin of a
+    unary-stream call (iterate, ``cancel()``, ``done()``)."""
+
+    __slots__ = ("_session", "request_id", "_ready", "_error", "_ended", "_cancelled", "_waiter")
+
+    def __init__(self, session: DecodeSession, request_id: str) -> None:
+        self._session = session
+        self.request_id = request_id
+        self._ready: list[worker_pb2.GenerateResponse] = []
+        self._error: BaseException | None = None
+        self._ended = False            # the last message (or an error) arrived
+        self._cancelled = False
+        self._waiter: asyncio.Future | None = None
+
+    def __aiter__(self) -> SessionCall:
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        while not self._ready:
+            if self._cancelled:
+                raise asyncio.CancelledError()
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._ready.pop(0)
+
+    def done(self) -> bool:
+        return self._ended or self._cancelled
+
+    def cancel(self) -> bool:
+        """Stop reading and have the worker abort the request (unless it already ended)."""
+        if self.done():
+            return False
+        self._cancelled = True
+        self._session._cancel(self)
+        self._wake()
+        return True
+
+    def _put(self, response: worker_pb2.GenerateResponse) -> None:
+        if response.token_ids:
+            self._ready.append(response)
+        if response.error_code:
+            self._end(_refusal(response.error_code, response.error))
+            return
+        if not response.token_ids:
+            self._ready.append(response)
+        if response.finish_reason:
+            self._ended = True
+        self._wake()
+
+    def _end(self, error: BaseException) -> None:
+        if not self._ended:
+            self._error, self._ended = error, True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class DecodeSession(_Session):
+    """The router's stream to one decode worker (``stub``: its DecodeWorker stub, secret included)."""
+
+    role = "decode"
+
+    def _cancel(self, call: SessionCall) -> None:
+        if self._open_requests.get(call.request_id) is call:
+            del self._open_requests[call.request_id]
+            self._abort(call.request_id)
+
+    def generate(self, request: worker_pb2.GenerateRequest) -> SessionCall:
+        """Start ``request`` on the worker; its tokens arrive on the returned call."""
+        call = SessionCall(self, request.request_id)
+        self._start(request.request_id, request, call)
+        return call
+
+    def _message(self, starts, aborts):
+        return worker_pb2.DecodeSessionRequest(generate=starts, abort=aborts)
+
+    def _answers(self, response):
+        return response.outputs
+
+    def _deliver(self, target: SessionCall, answer: worker_pb2.GenerateResponse) -> bool:
+        target._put(answer)
+        return target._ended
+
+    def _fail(self, target: SessionCall, error: grpc.aio.AioRpcError) -> None:
+        target._end(error)
+
+
+class PrefillSession(_Session):
+    """The router's stream to one prefill worker (``stub``: its PrefillWorker stub, secret included)."""
+
+    role = "prefill"
+
+    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.SubmitResponse:
+        """``PrefillWorker.Submit`` on the stream: the answer, or AioRpcError (DEADLINE_EXCEEDED
+        after ``timeout_s``)."""
+        answer: asyncio.Future[worker_pb2.SubmitResponse] = asyncio.get_running_loop().create_future()
+        if not self._start(request.request_id, request, answer):
+            return await answer
+        try:
+            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
+        except asyncio.TimeoutError:
+            self._open_requests.pop(request.request_id, None)
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer to Submit from prefill worker {self.address} in {timeout_s:g} s") from None
+        except asyncio.CancelledError:
+            self._open_requests.pop(request.request_id, None)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """``PrefillWorker.Abort`` on the stream, after anything sent before it (a Submit still
+        unanswered gets its answer); nothing comes back."""
+        self._abort(request_id)
+
+    def _message(self, starts, aborts):
+        return worker_pb2.PrefillSessionRequest(submit=starts, abort=aborts)
+
+    def _answers(self, response):
+        return response.results
+
+    def _deliver(self, target: asyncio.Future, answer: worker_pb2.SubmitResponse) -> bool:
+        if not target.done():
+            if answer.error_code:
+                target.set_exception(_refusal(answer.error_code, answer.error))
+            else:
+                target.set_result(answer)
+        return True
+
+    def _fail(self, target: asyncio.Future, error: grpc.aio.AioRpcError) -> None:
+        if not target.done():
+            target.set_exception(error)
