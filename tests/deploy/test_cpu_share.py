@@ -49,7 +49,7 @@ def test_the_operators_thread_counts_stand_and_gpu_ranks_get_none():
     assert "--num-threads" not in worker_argvs(gpu, "prefill", 1, NODE, RANKS, None)[0]
 
 
-@pytest.mark.parametrize("env, expected", [({}, "2000 None"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "None PASSIVE"),
+@pytest.mark.parametrize("env, expected", [({}, "20000 None"), ({"OMP_WAIT_POLICY": "PASSIVE"}, "None PASSIVE"),
                                            ({"GOMP_SPINCOUNT": "7"}, "7 None")])
 def test_an_engine_process_spins_briefly_unless_the_operator_chose(env, expected):
     """What libgomp reads when torch loads: importing engine first (every worker does) sets a
