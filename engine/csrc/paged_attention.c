@@ -354,15 +354,16 @@ static inline int context_valid(const seqs_t *seqs, const kv_cache_t *kv, int se
 }
 
 /* Element offsets of the K (`which` 0) or V (1) rows of positions [start, start + n) in their
- * cache, each row prefetched. */
+ * cache, each row prefetched together with the rows of the next `more_heads` KV heads (which a
+ * caller walking several heads reads next: one token's heads lie side by side). */
 static void tile_offsets(int64_t *restrict offsets, const kv_cache_t *kv, int which,
-                         const int32_t *table, int32_t start, int n, int kv_head) {
+                         const int32_t *table, int32_t start, int n, int kv_head, int more_heads) {
     const void *cache = which ? kv->v : kv->k;
     const int64_t block_stride = which ? kv->v_block_stride : kv->k_block_stride;
     const int64_t slot_stride = which ? kv->v_slot_stride : kv->k_slot_stride;
     const int64_t head_stride = which ? kv->v_head_stride : kv->k_head_stride;
-    const int d = kv->head_dim;
     const int elem_bytes = kv->dtype == DTYPE_FLOAT32 ? 4 : 2;
+    const int64_t span_bytes = ((int64_t)more_heads * head_stride + kv->head_dim) * elem_bytes;
     /* position p is slot p % block_size of block block_table[p / block_size]; walk the slots
      * instead of dividing per row */
     int32_t block_index = start / kv->block_size, slot = start % kv->block_size;
@@ -376,16 +377,16 @@ static void tile_offsets(int64_t *restrict offsets, const kv_cache_t *kv, int wh
         /* Rows are scattered over blocks: ask for all of them before the first is used, so
          * their cache misses overlap instead of stalling the products one row at a time. */
         const char *bytes = (const char *)cache + offsets[j] * elem_bytes;
-        for (int b = 0; b < d * elem_bytes; b += 64) __builtin_prefetch(bytes + b);
+        for (int64_t b = 0; b < span_bytes; b += 64) __builtin_prefetch(bytes + b);
     }
 }
 
 /* Float32 views of the K (`which` 0) or V (1) rows of positions [start, start + n): pointers
  * into the cache when it is float32, else rows converted into buf (row j at buf + j * d). */
 static void tile_rows(const float **rows, float *restrict buf, const kv_cache_t *kv, int which,
-                      const int32_t *table, int32_t start, int n, int kv_head) {
+                      const int32_t *table, int32_t start, int n, int kv_head, int more_heads) {
     int64_t offsets[KEY_TILE];
-    tile_offsets(offsets, kv, which, table, start, n, kv_head);
+    tile_offsets(offsets, kv, which, table, start, n, kv_head, more_heads);
     const void *cache = which ? kv->v : kv->k;
     const int d = kv->head_dim;
     for (int j = 0; j < n; j++) rows[j] = row_f32(cache, kv->dtype, offsets[j], d, buf + (int64_t)j * d);
@@ -467,22 +468,25 @@ static void reset_rows(scratch_t *s, int rows, int d) {
 /* ------------------------------------------------------------------------------ decode */
 
 /* One query token per sequence over its whole context: row i of the queries belongs to
- * sequence i. Work items are (sequence, kv head) pairs; each reads its context once for the
- * whole GQA group. */
+ * sequence i. A work item is a sequence and a run of its KV heads, each read once for its whole
+ * GQA group: all of them when there are sequences enough to keep every thread busy (a token's
+ * heads lie side by side in the pool, so the item streams whole blocks), else one. */
 int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs,
                         float scale, int32_t num_threads) {
     const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
     const int d = kv->head_dim;
-    const int64_t num_items = (int64_t)seqs->num_seqs * kv->num_kv_heads;
     if (group < 1 || group * kv->num_kv_heads != qs->num_heads || d < 1) return ERR_BAD_SHAPE;
     for (int s = 0; s < seqs->num_seqs; s++)
         if (!context_valid(seqs, kv, s)) return ERR_BAD_SEQ_LEN;
+    const int heads_per_item = seqs->num_seqs >= 2 * num_threads ? kv->num_kv_heads : 1;
+    const int items_per_seq = kv->num_kv_heads / heads_per_item;
+    const int64_t num_items = (int64_t)seqs->num_seqs * items_per_seq;
     int status = OK;
 
 #pragma omp parallel num_threads(num_threads)
     {
         scratch_t s;
-        const int ok = scratch_alloc(&s, group, d, 0);
+        const int ok = scratch_alloc(&s, group * heads_per_item, d, 0);
         if (!ok) {
 #pragma omp atomic write
             status = ERR_NO_MEMORY;
@@ -490,11 +494,14 @@ int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t 
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < num_items; item++) {
             if (!ok) continue;
-            const int seq = (int)(item / kv->num_kv_heads), kv_head = (int)(item % kv->num_kv_heads);
+            const int seq = (int)(item / items_per_seq);
+            const int first_kv_head = (int)(item % items_per_seq) * heads_per_item;
             const int32_t seq_len = seqs->seq_lens[seq];
             const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
-            load_queries(s.q, s.row, qs, seq, kv_head * group, group, group, d, scale * LOG2E);
-            reset_rows(&s, group, d);
+            for (int h = 0; h < heads_per_item; h++)
+                load_queries(s.q + (int64_t)h * group * d, s.row, qs, seq, (first_kv_head + h) * group, group,
+                             group, d, scale * LOG2E);
+            reset_rows(&s, group * heads_per_item, d);
             for (int32_t start = 0; start < seq_len; start += KEY_TILE) {
                 const int n = seq_len - start < KEY_TILE ? seq_len - start : KEY_TILE;
                 if (!blocks_valid(table, start, n, kv)) {
@@ -502,16 +509,22 @@ int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t 
                     status = ERR_BAD_BLOCK_ID;
                     break;
                 }
-                tile_rows(s.k_rows, s.k_buf, kv, 0, table, start, n, kv_head);
-                for (int j = n; j % 16; j++) s.k_rows[j] = s.k_rows[0]; /* tile_dots reads 16 at a time */
-                tile_rows(s.v_rows, s.v_buf, kv, 1, table, start, n, kv_head);
-                tile_dots(s.scores, s.q, s.k_rows, group, n, d);
-                for (int r = 0; r < group; r++)
-                    s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, n, n, &s.running_max[r],
-                                              &s.running_sum[r]);
-                tile_values(s.acc, s.alpha, s.scores, s.v_rows, group, n, d);
+                for (int h = 0; h < heads_per_item; h++) {
+                    const int kv_head = first_kv_head + h, more = h == 0 ? heads_per_item - 1 : 0;
+                    const int64_t rows = (int64_t)h * group;
+                    tile_rows(s.k_rows, s.k_buf, kv, 0, table, start, n, kv_head, more);
+                    for (int j = n; j % 16; j++) s.k_rows[j] = s.k_rows[0]; /* tile_dots reads 16 at a time */
+                    tile_rows(s.v_rows, s.v_buf, kv, 1, table, start, n, kv_head, more);
+                    tile_dots(s.scores + rows * KEY_TILE, s.q + rows * d, s.k_rows, group, n, d);
+                    for (int r = rows; r < rows + group; r++)
+                        s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, n, n, &s.running_max[r],
+                                                  &s.running_sum[r]);
+                    tile_values(s.acc + rows * d, s.alpha + rows, s.scores + rows * KEY_TILE, s.v_rows, group, n, d);
+                }
             }
-            store_outputs(qs, s.acc, s.running_sum, seq, kv_head * group, group, group, d);
+            for (int h = 0; h < heads_per_item; h++)
+                store_outputs(qs, s.acc + (int64_t)h * group * d, s.running_sum + h * group, seq,
+                              (first_kv_head + h) * group, group, group, d);
         }
         scratch_free(&s);
     }
@@ -768,18 +781,18 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
 #if HAVE_BF16_DOT
                 if (use_bf16) {
                     int64_t k_offsets[KEY_TILE], v_offsets[KEY_TILE];
-                    tile_offsets(k_offsets, kv, 0, table, k0, n, kv_head);
-                    tile_offsets(v_offsets, kv, 1, table, k0, n, kv_head);
+                    tile_offsets(k_offsets, kv, 0, table, k0, n, kv_head, 0);
+                    tile_offsets(v_offsets, kv, 1, table, k0, n, kv_head, 0);
                     transpose_keys_bf16(b.kt, kv->k, k_offsets, n, d);
                     pair_values_bf16(b.vp, kv->v, v_offsets, n, d);
                     tile_scores_bf16(s.scores, b.q, b.kt, rows, d, scale * LOG2E);
                 } else
 #endif
                 {
-                    tile_rows(s.k_rows, s.k_buf, kv, 0, table, k0, n, kv_head);
+                    tile_rows(s.k_rows, s.k_buf, kv, 0, table, k0, n, kv_head, 0);
                     for (int j = 0; j < n; j++)
                         for (int i = 0; i < d; i++) s.kt[i * KEY_TILE + j] = s.k_rows[j][i];
-                    tile_rows(s.v_rows, s.v_buf, kv, 1, table, k0, n, kv_head);
+                    tile_rows(s.v_rows, s.v_buf, kv, 1, table, k0, n, kv_head, 0);
                     tile_scores_transposed(s.scores, s.q, s.kt, rows, d);
                 }
                 for (int r = 0; r < rows; r++) {

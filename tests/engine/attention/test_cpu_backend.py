@@ -219,6 +219,19 @@ def test_one_and_two_threads_give_identical_results(gen, threads, kind):
     assert torch.equal(one, two)
 
 
+def test_decode_work_items_of_one_or_all_kv_heads_give_identical_results(gen, threads):
+    """Two sequences on two threads: one KV head per work item; on one thread: all of a
+    sequence's heads in one item. The same products in the same order either way, and both
+    match the float64 reference."""
+    run, ref = _decode_case(gen, [300, 45], group=3, num_kv_heads=3, dtype=torch.bfloat16)
+    threads(2)
+    per_head = run()
+    threads(1)
+    per_sequence = run()
+    assert torch.equal(per_head, per_sequence)
+    _check(per_sequence, ref, torch.bfloat16)
+
+
 def test_block_id_outside_the_cache_is_refused(gen):
     paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=16, block_size=16)
     table = paged.block_tables.clone()
