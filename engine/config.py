@@ -24,13 +24,18 @@ _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "lpm")
 
 
-def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """True when this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
+def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
     try:
         with open(cpuinfo) as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
+        return frozenset()
+
+
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when this CPU computes bf16 dot products natively (AVX512-BF16 or AMX-BF16)."""
+    flags = cpu_flags(cpuinfo)
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

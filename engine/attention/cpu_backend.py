@@ -9,9 +9,13 @@ one (sequence, kv head) per OpenMP work item, with an online softmax in float32.
 
 Queries and caches may be float32 or bfloat16; other dtypes take the torch path. Kernels use
 ``torch.get_num_threads()`` threads, and results do not depend on the thread count. Prefill
-uses the C kernel for every shape too: measured against torch's SDPA (which needs the gathered
-copy) it was 1.8-3.8x faster on every case tried, 16-token chunks over a prefix up to one
-4096-token fresh prompt (``python -m benchmarks.attention_cpu --long``).
+uses the C kernel too, except for bfloat16 chunks of at least ``SDPA_MIN_CHUNK`` tokens on CPUs
+with AMX, which go to torch's SDPA (its AMX tiles beat the kernel's AVX-512 products despite the
+gathered copy): on 2 cores with AMX, SDPA / kernel ms was 0.32 / 0.60 for one 256-token prompt,
+1.05 / 2.11 for 512, 10.5 / 31.8 for 2048 and 1.22 / 1.55 for 8 x 128, but 0.73 / 0.49 for
+8 x 64 and 1.11 / 0.40 for 16 x 32. Without AMX the kernel was 1.8-3.8x faster than SDPA on
+every case tried, 16-token chunks over a prefix up to one 4096-token fresh prompt
+(``python -m benchmarks.attention_cpu --long``).
 
 ``python -m engine.attention.cpu_backend --build`` compiles the kernels ahead of time.
 """
@@ -26,10 +30,13 @@ import torch
 
 from engine.attention import cpu_kernels, torch_backend
 from engine.attention.cpu_kernels import KernelBuildError
+from engine.config import cpu_flags
 
 __all__ = ["KernelBuildError", "decode_attention", "load_kernels", "prefill_attention", "write_kv"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+SDPA_MIN_CHUNK = 128   # bfloat16 prefill chunks this long take SDPA on AMX CPUs (module docstring)
+_AMX = "amx_bf16" in cpu_flags()
 
 # index_copy_ into the pool is a plain scatter of a few rows: nothing to gain in C.
 write_kv = torch_backend.write_kv
@@ -107,8 +114,37 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if not _supported(query, k_cache, v_cache) or query.shape[0] == 0:
         return torch_backend.prefill_attention(query, k_cache, v_cache, block_tables,
                                                query_start_loc, seq_lens, scale)
-    return _run(load_kernels().tandem_paged_prefill, query, k_cache, v_cache, block_tables,
-                _int32(seq_lens), _int32(query_start_loc), scale)
+    starts, lens = _int32(query_start_loc), _int32(seq_lens)
+    if _AMX and query.dtype == torch.bfloat16:
+        long = (starts[1:] - starts[:-1]) >= SDPA_MIN_CHUNK
+        if bool(long.all()):
+            return torch_backend.prefill_attention(query, k_cache, v_cache, block_tables, starts.tolist(),
+                                                   lens.tolist(), scale)
+        if bool(long.any()):
+            return _split_prefill(query, k_cache, v_cache, block_tables, starts, lens, long, scale)
+    return _run(load_kernels().tandem_paged_prefill, query, k_cache, v_cache, block_tables, lens, starts, scale)
+
+
+def _split_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                   starts: torch.Tensor, lens: torch.Tensor, long: torch.Tensor, scale: float) -> torch.Tensor:
+    """SDPA for the sequences marked ``long``, the kernel for the others, in one output."""
+    out = torch.empty_like(query)
+    for use_sdpa in (True, False):
+        seqs = torch.nonzero(long if use_sdpa else ~long).flatten()
+        if seqs.numel() == 0:
+            continue
+        q_lens = starts[seqs + 1] - starts[seqs]
+        rows = torch.cat([torch.arange(int(starts[i]), int(starts[i + 1])) for i in seqs.tolist()])
+        sub_starts = torch.cat([torch.zeros(1, dtype=torch.int32), q_lens.cumsum(0).to(torch.int32)])
+        sub_query, sub_tables, sub_lens = query[rows], block_tables[seqs], lens[seqs].contiguous()
+        if use_sdpa:
+            part = torch_backend.prefill_attention(sub_query, k_cache, v_cache, sub_tables, sub_starts.tolist(),
+                                                   sub_lens.tolist(), scale)
+        else:
+            part = _run(load_kernels().tandem_paged_prefill, sub_query, k_cache, v_cache, sub_tables, sub_lens,
+                        sub_starts, scale)
+        out[rows] = part
+    return out
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -232,6 +232,21 @@ def test_decode_work_items_of_one_or_all_kv_heads_give_identical_results(gen, th
     _check(per_sequence, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("chunks", [[(300, 300)], [(20, 50), (200, 520), (5, 5), (128, 128), (127, 200)]],
+                         ids=["one long", "long and short mixed"])
+def test_bfloat16_prefill_on_amx_sends_long_chunks_to_sdpa_and_stays_exact(gen, monkeypatch, chunks):
+    """On AMX CPUs bfloat16 chunks of SDPA_MIN_CHUNK tokens or more take SDPA, the rest the kernel,
+    in one output in the caller's row order (forced here, so any CPU checks it)."""
+    run, ref = _prefill_case(gen, chunks, group=3, num_kv_heads=3, dtype=torch.bfloat16)
+    monkeypatch.setattr(cpu_backend, "_AMX", True)
+    calls = []
+    sdpa = cpu_backend.torch_backend.prefill_attention
+    monkeypatch.setattr(cpu_backend.torch_backend, "prefill_attention",
+                        lambda query, *args: calls.append(query.shape[0]) or sdpa(query, *args))
+    _check(run(), ref, torch.bfloat16)
+    assert calls == [sum(q for q, _ in chunks if q >= cpu_backend.SDPA_MIN_CHUNK)]
+
+
 def test_block_id_outside_the_cache_is_refused(gen):
     paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=16, block_size=16)
     table = paged.block_tables.clone()
