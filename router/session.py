@@ -43,6 +43,37 @@ def _refusal(error_code: int, error: str) -> grpc.aio.AioRpcError:
     return rpc_error(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error)
 
 
+class _Outbox:
+    """Messages waiting for a stream's writer, taken all at once."""
+
+    def __init__(self) -> None:
+        self._messages: list[Any] = []
+        self._closed = False
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, message: Any) -> None:
+        self._messages.append(message)
+        self._wake()
+
+    def close(self) -> None:
+        self._closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def take(self) -> list[Any] | None:
+        """Every message queued since the last call (waits for one); None once closed."""
+        while not self._messages and not self._closed:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        if self._closed:
+            return None
+        messages, self._messages = self._messages, []
+        return messages
+
+
 class _Session:
     """One worker's stream: batches what is started and aborted per turn of the loop, reads the
     answers on a task, and fails everything open when the stream breaks. Subclasses name the
@@ -58,7 +89,7 @@ class _Session:
         self._starts: list[Any] = []
         self._aborts: list[str] = []
         self._flush_scheduled = False
-        self._outbox: asyncio.Queue[Any] | None = None
+        self._outbox: _Outbox | None = None
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
@@ -126,26 +157,36 @@ class _Session:
         for request in starts:
             request_size = request.ByteSize()
             if batch and size + request_size > FLUSH_BYTES:
-                outbox.put_nowait(self._message(batch, []))
+                outbox.put(self._message(batch, []))
                 batch, size = [], 0
             batch.append(request)
             size += request_size
         if batch or aborts:
-            outbox.put_nowait(self._message(batch, aborts))
+            outbox.put(self._message(batch, aborts))
 
     def _open(self) -> None:
         call = self._call = self._stub.Session()
-        outbox: asyncio.Queue[Any] = asyncio.Queue()
-        self._outbox = outbox
+        outbox = self._outbox = _Outbox()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._write(call, outbox)), loop.create_task(self._read(call))]
 
-    async def _write(self, call: Any, outbox: asyncio.Queue) -> None:
+    async def _write(self, call: Any, outbox: _Outbox) -> None:
+        """Send the messages in order; what queued up during a write leaves as one message (an
+        abort in it can only name a request of an earlier message: ids are unique)."""
         try:
             while True:
-                message = await outbox.get()
-                if message is None:   # the stream broke or the session closed
+                messages = await outbox.take()
+                if messages is None:   # the stream broke or the session closed
                     return
+                message, size = messages[0], messages[0].ByteSize()
+                for more in messages[1:]:
+                    more_size = more.ByteSize()
+                    if size + more_size > FLUSH_BYTES:
+                        await call.write(message)
+                        message, size = more, more_size
+                    else:
+                        message.MergeFrom(more)
+                        size += more_size
                 await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             logger.debug("session to %s: write failed: %s", self.address, exc)   # the reader sees the break
@@ -170,7 +211,7 @@ class _Session:
         """The stream is gone: fail every open request with ``error``; the next request reopens."""
         call, self._call = self._call, None
         if self._outbox is not None:
-            self._outbox.put_nowait(None)
+            self._outbox.close()
             self._outbox = None
         if call is not None:
             call.cancel()
