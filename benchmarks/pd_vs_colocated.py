@@ -1,12 +1,15 @@
 """Disaggregated prefill/decode vs the colocated engine under a prefill burst (a script, not a test).
 
 Runs one seeded workload against (A) a real prefill worker + a real decode worker, separate
-processes started as `tandem serve` starts 1P1D on 2 cores (prefill 2 torch threads niced 5 below
-decode, decode 1), driven over gRPC the way the router drives them
-(docs/architecture.md#request-flow: open DecodeWorker.Generate, send PrefillWorker.Submit concurrently), and (B)
-the colocated LLMEngine, stepped by a server thread in this process with requests added at
-their arrival times, once per entry of --colocated-threads (the first is the baseline of the
-headline; with 2 threads it owns both cores, with 1 it matches one worker's share).
+processes started as `tandem serve --local-prefill-max-tokens 0` starts 1P1D on 2 cores (prefill
+2 torch threads niced 5 below decode, decode 1), driven over gRPC the way the router drives them
+(docs/architecture.md#request-flow: start on the decode worker's Session stream, submit on the
+prefill worker's, concurrently), and (B) the colocated LLMEngine, stepped by a server thread in
+this process with requests added at their arrival times, once per entry of --colocated-threads
+(the first is the baseline of the headline; with 2 threads it owns both cores, with 1 it matches
+one worker's share). `tandem serve`'s default on one CPU node (conditional disaggregation:
+prompts of up to 4096 tokens prefilled on the decode worker, which gets both cores) computes
+every prompt of this workload the way (B) with 2 threads does, in a worker process.
 
 Workload: Poisson arrivals of steady requests (prompt --prompt-len random token ids, exactly
 --output-len greedy tokens, ignore_eos) plus --burst-size long prompts (--burst-prompt-len,
@@ -106,15 +109,15 @@ async def _client_request(stubs, spec: RequestSpec, start_s: float, prefill_addr
     from protos.tandem.v1 import worker_pb2
 
     await asyncio.sleep(max(0.0, start_s + spec.arrival_s - time.monotonic()))
-    prefill, decode = stubs
+    prefill, decode = stubs    # router.session's PrefillSession and DecodeSession
     sampling = worker_pb2.SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, ignore_eos=True)
     trace.arrival_s = time.monotonic()
-    stream = decode.Generate(worker_pb2.GenerateRequest(request_id=spec.request_id,
+    stream = decode.generate(worker_pb2.GenerateRequest(request_id=spec.request_id,
                                                         prompt_token_ids=spec.prompt_token_ids,
                                                         sampling=sampling, prefill_address=prefill_address))
-    submit = asyncio.ensure_future(prefill.Submit(worker_pb2.SubmitRequest(
+    submit = asyncio.ensure_future(prefill.submit(worker_pb2.SubmitRequest(
         request_id=spec.request_id, prompt_token_ids=spec.prompt_token_ids, sampling=sampling,
-        decode_address=decode_address)))
+        decode_address=decode_address), 300.0))
     try:
         async for response in stream:
             now = time.monotonic()
@@ -133,12 +136,13 @@ async def _drive_workers(specs: list[RequestSpec], addresses: dict[str, str], ti
     import grpc
 
     from protos.tandem.v1 import worker_pb2_grpc
+    from router.session import DecodeSession, PrefillSession
 
     async with grpc.aio.insecure_channel(addresses["prefill"]) as p_ch, \
             grpc.aio.insecure_channel(addresses["decode"]) as d_ch:
         secret = require_secret("the benchmark")
-        stubs = (SecretStub(worker_pb2_grpc.PrefillWorkerStub(p_ch), secret),
-                 SecretStub(worker_pb2_grpc.DecodeWorkerStub(d_ch), secret))
+        stubs = (PrefillSession(SecretStub(worker_pb2_grpc.PrefillWorkerStub(p_ch), secret), addresses["prefill"]),
+                 DecodeSession(SecretStub(worker_pb2_grpc.DecodeWorkerStub(d_ch), secret), addresses["decode"]))
         warm = Trace(warmup)
         await _client_request(stubs, warmup, time.monotonic(), addresses["prefill"], addresses["decode"], warm)
         if warm.error or len(warm.token_s) != warmup.max_tokens:
@@ -154,6 +158,8 @@ async def _drive_workers(specs: list[RequestSpec], addresses: dict[str, str], ti
         for trace in traces:
             if trace.error is None and len(trace.token_s) < trace.spec.max_tokens:
                 trace.error = "timed out"
+        for session in stubs:
+            await session.close()
         return traces
 
 

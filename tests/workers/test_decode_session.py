@@ -1,4 +1,5 @@
-"""``DecodeWorker.Session``: many requests on one stream, as the router sends them (router/session.py).
+"""``DecodeWorker.Session`` and ``PrefillWorker.Session``: many requests on one stream, as the
+router sends them (router/session.py).
 
 Requests on one session give exactly what the colocated `LLM` gives, local and shipped prompts
 side by side, with several requests' tokens in one message; a malformed request is refused on
@@ -85,9 +86,17 @@ def test_requests_on_one_session_match_colocated_and_share_messages(pair, refere
                                      local_prefill=True)
     session.send(requests[:3] + [bad])
     session.send(requests[3:])
-    for request in requests:
-        if not request.local_prefill:
-            submit(prefill, decode.grpc, request.request_id, list(request.prompt_token_ids), request.sampling)
+    # The shipped prompts go to the prefill worker on its own Session stream, as the router sends them.
+    submits = [worker_pb2.SubmitRequest(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
+                                        sampling=r.sampling, decode_address=decode.grpc)
+               for r in requests if not r.local_prefill]
+    bad_submit = worker_pb2.SubmitRequest(request_id="submit-bad", prompt_token_ids=[], sampling=greedy(4),
+                                          decode_address=decode.grpc)
+    answers = {a.request_id: a for m in prefill.prefill_stub.Session(
+        iter([worker_pb2.PrefillSessionRequest(submit=[*submits, bad_submit])]), timeout=60) for a in m.results}
+    assert sorted(answers) == sorted([s.request_id for s in submits] + ["submit-bad"])
+    assert all(not answers[s.request_id].error_code for s in submits)
+    assert answers["submit-bad"].error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     wait_until(lambda: all(session.done(r.request_id) for r in requests) and session.done("session-bad"), 60,
                lambda: f"every request on the session to end; outputs: {session.outputs}")
     [refusal] = session.outputs["session-bad"]
