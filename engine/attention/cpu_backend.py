@@ -5,7 +5,8 @@ cache layout as ``engine.attention.torch_backend``: caches are per layer ``[num_
 block_size, num_kv_heads, head_dim]`` and a sequence's token at position p lives in block
 ``block_table[p // block_size]`` at offset ``p % block_size``. The torch path gathers (copies)
 every context out of the pool per layer before SDPA; these kernels walk the block table instead,
-one (sequence, kv head) per OpenMP work item, with an online softmax in float32.
+one sequence's KV heads (decode, with sequences enough for every thread) or one (sequence, KV
+head) per OpenMP work item, with an online softmax in float32.
 
 Queries and caches may be float32 or bfloat16; other dtypes take the torch path. Kernels use
 ``torch.get_num_threads()`` threads, and results do not depend on the thread count. Prefill
