@@ -24,6 +24,7 @@ from decode_worker.worker import DecodeJob, DecodeLoop, EventBatch, StreamEvent
 from engine.config import SamplingParams
 from engine.serving.convert import check_request, logprobs_to_proto, sampling_from_proto
 from engine.serving.fingerprint import check_peer
+from engine.serving.session import SessionState
 from protos.auth import SecretStub
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
@@ -103,15 +104,14 @@ def _response(events: list[StreamEvent], params: SamplingParams
     return (response if response.token_ids else None), False, None
 
 
-class _Session:
-    """One Session stream's state (asyncio thread): its open requests, and per request the events
-    (or the refusal) not yet sent, filled by ``_fan_out`` and the reader."""
+class _Session(SessionState):
+    """One Session stream's state: its open requests, and per request the events (or the refusal)
+    not yet sent, filled by ``_fan_out`` and the reader."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.jobs: dict[str, DecodeJob] = {}
         self.pending: dict[str, tuple[list[StreamEvent], tuple[grpc.StatusCode, str] | None]] = {}
-        self.reading = True
-        self.waiter: asyncio.Future | None = None
 
     def sink(self, request_id: str) -> Callable[[StreamEvent], None]:
         def put(event: StreamEvent) -> None:
@@ -127,16 +127,11 @@ class _Session:
         self.pending[request_id] = ([], (code, message))
         self.wake()
 
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
     async def take(self) -> dict[str, tuple[list[StreamEvent], tuple[grpc.StatusCode, str] | None]]:
         """Everything pending; waits for something while the reader reads (or, once the router
         has closed its side, while requests are open)."""
         while not self.pending and (self.reading or self.jobs):
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
+            await self.wait()
         pending, self.pending = self.pending, {}
         return pending
 
@@ -248,7 +243,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         stream breaks, every request still open on it is stopped as if its Generate were cancelled."""
         aio_loop = self.aio_loop = asyncio.get_running_loop()
         session = _Session()
-        compiling: set[asyncio.Task] = set()
 
         def admit(jobs: list[DecodeJob]) -> None:   # engine thread
             for job in jobs:
@@ -259,50 +253,41 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                             else grpc.StatusCode.INVALID_ARGUMENT)
                     aio_loop.call_soon_threadsafe(session.refuse, job.request_id, code, str(exc.args[0]))
 
-        async def compile_then_admit(job: DecodeJob) -> None:
-            try:
-                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
-            except ValueError as exc:
-                session.refuse(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                return
+        def admit_compiled(job: DecodeJob) -> None:
             if job.request_id in session.jobs:      # not aborted meanwhile
                 self.loop.call(lambda: admit([job]))
 
-        async def read() -> None:
-            try:
-                async for message in request_iterator:
-                    jobs = []
-                    for request in message.generate:
-                        rid = request.request_id
-                        if rid in session.jobs:   # the router never does this: the first one goes on
-                            logger.warning("session: request_id=%s is already open on it; ignored", rid)
-                            continue
-                        try:
-                            job = self._job(request, session.sink(rid))
-                        except ValueError as exc:
-                            session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                            continue
-                        if not self.loop.alive:
-                            session.refuse(rid, grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")
-                            continue
-                        session.jobs[rid] = job
-                        if job.params.structured is None:
-                            jobs.append(job)
-                        else:
-                            task = aio_loop.create_task(compile_then_admit(job))
-                            compiling.add(task)
-                            task.add_done_callback(compiling.discard)
-                    if jobs:
-                        self.loop.call(lambda jobs=jobs: admit(jobs))
-                    for rid in message.abort:
-                        job = session.jobs.pop(rid, None)
-                        if job is not None:
-                            self._stopped(job, aio_loop)
-            finally:
-                session.reading = False
-                session.wake()
+        def handle(message: worker_pb2.DecodeSessionRequest) -> None:
+            jobs = []
+            for request in message.generate:
+                rid = request.request_id
+                if rid in session.jobs:   # the router never does this: the first one goes on
+                    logger.warning("session: request_id=%s is already open on it; ignored", rid)
+                    continue
+                try:
+                    job = self._job(request, session.sink(rid))
+                except ValueError as exc:
+                    session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    continue
+                if not self.loop.alive:
+                    session.refuse(rid, grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")
+                    continue
+                session.jobs[rid] = job
+                if job.params.structured is None:
+                    jobs.append(job)
+                else:
+                    session.compile_then(self.loop.engine.grammars, job.params.structured,
+                                         lambda job=job: admit_compiled(job),
+                                         lambda why, rid=rid: session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                                                             why))
+            if jobs:
+                self.loop.call(lambda: admit(jobs))
+            for rid in message.abort:
+                job = session.jobs.pop(rid, None)
+                if job is not None:
+                    self._stopped(job, aio_loop)
 
-        reader = aio_loop.create_task(read())
+        session.read(request_iterator, handle)
         try:
             while session.reading or session.jobs or session.pending:
                 response = worker_pb2.DecodeSessionResponse()
@@ -326,12 +311,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         response.outputs.append(out)
                 if response.outputs:
                     yield response
-                if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                    raise reader.exception()   # the stream broke: stop what it left open (finally)
+                session.check()   # the stream broke: stop what it left open (finally)
         finally:
-            reader.cancel()
-            for task in list(compiling):
-                task.cancel()
+            session.close()
             for job in session.jobs.values():   # the router went away: free what it left open
                 self._stopped(job, aio_loop)
             session.jobs.clear()

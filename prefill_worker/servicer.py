@@ -15,24 +15,12 @@ import grpc
 
 from engine.serving.convert import check_request, sampling_from_proto
 from engine.serving.fingerprint import check_peer
+from engine.serving.session import SessionState
 from prefill_worker.worker import AbortedBeforeSubmit, Destination, PrefillJob, PrefillLoop
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_DESCRIPTOR_BYTES = 1 << 16
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class _SessionState:
-    """A Session stream's progress: whether the router still writes, submits not yet answered."""
-
-    def __init__(self) -> None:
-        self.reading = True
-        self.outstanding = 0
-        self.waiter: asyncio.Future | None = None
-
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
 
 
 def _refused(request_id: str, code: grpc.StatusCode, message: str) -> worker_pb2.SubmitResponse:
@@ -83,71 +71,57 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         (the decode worker aborts here what it stops)."""
         aio_loop = asyncio.get_running_loop()
         answers: list[worker_pb2.SubmitResponse] = []
-        compiling: set[asyncio.Task] = set()
-        state = _SessionState()
+        state = SessionState()
+        outstanding = 0      # submits queued for the engine thread, not answered yet
 
         def answer(responses: list[worker_pb2.SubmitResponse], queued: int = 0) -> None:   # asyncio thread
+            nonlocal outstanding
             answers.extend(responses)
-            state.outstanding -= queued
+            outstanding -= queued
             state.wake()
 
         def submit_all(jobs: list[PrefillJob]) -> None:   # engine thread
             responses = [self._submit(job) for job in jobs]
             aio_loop.call_soon_threadsafe(answer, responses, len(jobs))
 
-        async def compile_then_submit(job: PrefillJob) -> None:
-            try:
-                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
-            except ValueError as exc:
-                answer([_refused(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))], 1)
-                return
-            self.loop.call(lambda: submit_all([job]))
+        def handle(message: worker_pb2.PrefillSessionRequest) -> None:
+            nonlocal outstanding
+            jobs = []
+            for request in message.submit:
+                rid = request.request_id
+                try:
+                    job = self._job(request)
+                except ValueError as exc:
+                    answer([_refused(rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))])
+                    continue
+                if not self.loop.alive:
+                    answer([_refused(rid, grpc.StatusCode.UNAVAILABLE, "the engine thread is not running")])
+                    continue
+                outstanding += 1
+                if job.params.structured is None:
+                    jobs.append(job)
+                else:
+                    state.compile_then(self.loop.engine.grammars, job.params.structured,
+                                       lambda job=job: self.loop.call(lambda: submit_all([job])),
+                                       lambda why, rid=rid: answer([_refused(rid, grpc.StatusCode.INVALID_ARGUMENT,
+                                                                             why)], 1))
+            if jobs:
+                self.loop.call(lambda: submit_all(jobs))
+            for rid in message.abort:
+                self.loop.call(lambda rid=rid: self.loop.abort(rid))
 
-        async def read() -> None:
-            try:
-                async for message in request_iterator:
-                    jobs = []
-                    for request in message.submit:
-                        try:
-                            job = self._job(request)
-                        except ValueError as exc:
-                            answer([_refused(request.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))])
-                            continue
-                        if not self.loop.alive:
-                            answer([_refused(request.request_id, grpc.StatusCode.UNAVAILABLE,
-                                             "the engine thread is not running")])
-                            continue
-                        state.outstanding += 1
-                        if job.params.structured is None:
-                            jobs.append(job)
-                        else:
-                            task = aio_loop.create_task(compile_then_submit(job))
-                            compiling.add(task)
-                            task.add_done_callback(compiling.discard)
-                    if jobs:
-                        self.loop.call(lambda jobs=jobs: submit_all(jobs))
-                    for rid in message.abort:
-                        self.loop.call(lambda rid=rid: self.loop.abort(rid))
-            finally:
-                state.reading = False
-                state.wake()
-
-        reader = aio_loop.create_task(read())
+        state.read(request_iterator, handle)
         try:
-            while state.reading or state.outstanding or answers:
-                while not answers and (state.reading or state.outstanding):
-                    state.waiter = aio_loop.create_future()
-                    await state.waiter
+            while state.reading or outstanding or answers:
+                while not answers and (state.reading or outstanding):
+                    await state.wait()
                 if answers:
                     response = worker_pb2.PrefillSessionResponse(results=answers)
                     answers.clear()
                     yield response
-                if reader.done() and not reader.cancelled() and reader.exception() is not None:
-                    raise reader.exception()
+                state.check()
         finally:
-            reader.cancel()
-            for task in list(compiling):
-                task.cancel()
+            state.close()
 
     async def SetDestination(self, request: worker_pb2.SetDestinationRequest, context: grpc.aio.ServicerContext):
         if not request.request_id or not request.block_ids or not request.region_descriptor:

@@ -93,15 +93,14 @@ class _Session:
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
-    @property
-    def num_open(self) -> int:
-        return len(self._open_requests)
-
     async def close(self) -> None:
         """End the stream; what is open on it fails UNAVAILABLE."""
         self._closed = True
-        self._broken(rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} was removed"))
+        self._broken(self._removed())
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _removed(self) -> grpc.aio.AioRpcError:
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} was removed")
 
     # -- for subclasses ------------------------------------------------------------------
     def _message(self, starts: list[Any], aborts: list[str]) -> Any:
@@ -120,7 +119,7 @@ class _Session:
     def _start(self, request_id: str, request: Any, target: Any) -> bool:
         """Queue ``request``; False (``target`` already failed) when the session is closed."""
         if self._closed:
-            self._fail(target, rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} was removed"))
+            self._fail(target, self._removed())
             return False
         if self._call is None:
             self._open()

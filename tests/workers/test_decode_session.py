@@ -13,21 +13,12 @@ import queue
 import threading
 
 import grpc
-import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import pool_flags, prompts_for
+from tests.workers.conftest import prompts_for
 from tests.workers.harness import greedy, submit, wait_idle, wait_until
-
-
-@pytest.fixture(scope="module")
-def pair(spawn_module, tiny_dir):
-    flags = [*pool_flags(), "--log-interval-s", "1"]
-    prefill = spawn_module("prefill", tiny_dir, *flags, name="prefill")
-    decode = spawn_module("decode", tiny_dir, *flags, name="decode")
-    yield prefill, decode
-    wait_idle(prefill, decode)
+from tests.workers.test_local_prefill import pair  # noqa: F401 - the fixture, by name
 
 
 class Session:
@@ -70,7 +61,7 @@ class Session:
         self._outbox.put(None)          # half-close: the worker ends the stream once nothing is open
 
 
-def test_requests_on_one_session_match_colocated_and_share_messages(pair, reference):
+def test_requests_on_one_session_match_colocated_and_share_messages(pair, reference):  # noqa: F811
     prefill, decode = pair
     lengths, max_tokens = [3, 70, 17, 40, 9, 25], [12, 20, 16, 8, 20, 14]
     prompts = prompts_for(lengths, seed=7300)
@@ -114,7 +105,7 @@ def test_requests_on_one_session_match_colocated_and_share_messages(pair, refere
     wait_idle(prefill, decode)
 
 
-def test_an_abort_on_the_session_and_a_dropped_session_free_every_block(pair):
+def test_an_abort_on_the_session_and_a_dropped_session_free_every_block(pair):  # noqa: F811
     prefill, decode = pair
     prompts = prompts_for([60, 50, 30], seed=7400)
     session = Session(decode)
