@@ -166,7 +166,14 @@ def test_prometheus_scrapes_serve_and_every_dashboard_query_has_data(tmp_path, t
                       "--local-prefill-max-tokens", "0")
     prometheus = None
     try:
-        groups = json.loads(sd_file.read_text())
+        # The controller republishes the target file every reconcile tick (0.5 s): a worker that just
+        # became ready may reach it a tick after `tandem serve` says it is serving.
+        deadline = time.monotonic() + 10
+        while True:
+            groups = json.loads(sd_file.read_text())
+            if len(groups) == 3 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         assert sorted(g["labels"]["replica"] for g in groups) == ["decode-0", "prefill-0", "router"]
         assert {g["labels"]["role"] for g in groups} == {"router", "prefill", "decode"}
         router = next(g for g in groups if g["labels"]["role"] == "router")

@@ -9,7 +9,7 @@ import pytest
 from engine.serving.fingerprint import Fingerprint, ModelIdentity, model_identity
 from tests.engine.conftest import random_prompt
 from tests.workers.conftest import BLOCK_SIZE, pool_flags
-from tests.workers.harness import collect, generate, greedy, open_generate, wait_idle, wait_until
+from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until
 from tests.workers.rogue_prefill import RoguePrefill
 
 # A refused request's reserved decode blocks are freed when its lease ends (a writer that got the
@@ -40,10 +40,18 @@ def test_prefill_and_decode_of_different_models_refuse_each_other(pair):
     prefill, decode = pair
     prefill_fp, decode_fp = prefill.stats().fingerprint, decode.stats().fingerprint
     assert Fingerprint.parse(prefill_fp).mismatch(Fingerprint.parse(decode_fp)) == ["config", "weights"]
-    result = generate(prefill, decode, "other-model-0", random_prompt(seed=5, num_tokens=40), greedy(8))
+    prompt = random_prompt(seed=5, num_tokens=40)
+    call = open_generate(decode, prefill.grpc, "other-model-0", prompt, greedy(8))
     # The prefill worker learns the model at SetDestination, which races the Submit: a Submit that
-    # comes after the refusal finds the request already dropped and is refused (ABORTED).
-    assert result.submit_error is None or result.submit_error.code() == grpc.StatusCode.ABORTED, result.submit_error
+    # comes after the refusal finds the request already dropped and is refused (ABORTED). Either
+    # way the decode stream is read to its end (not cancelled), for the refusal's reason.
+    try:
+        submit(prefill, decode.grpc, "other-model-0", prompt, greedy(8))
+        submit_error = None
+    except grpc.RpcError as exc:
+        submit_error = exc
+    assert submit_error is None or submit_error.code() == grpc.StatusCode.ABORTED, submit_error
+    result = collect(call)
     assert result.error is not None and not result.token_ids
     details = result.error.details()
     assert "FAILED_PRECONDITION" in details and "model fingerprints differ in config, weights" in details
