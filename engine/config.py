@@ -78,6 +78,9 @@ class ModelConfig:
                                   "be compiled), cpu (C kernels over the paged cache, needs gcc), torch or triton")
     revision: str | None = flag(None, "branch, tag or commit of a Hugging Face id (default: main)")
     download_dir: str | None = flag(None, "HF cache directory for Hugging Face ids (default: HF_HUB_CACHE)")
+    gguf_kernels: str = flag("auto", "GGUF Q4_0/Q4_1/Q8_0 weights on CPU: auto (decode steps read the quantized "
+                             "blocks up to the batch size where that measured faster at load; needs AVX-512 "
+                             "and TP 1) or off (dense weights only)", choices=("auto", "off"))
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -91,6 +94,8 @@ class ModelConfig:
             raise ValueError(f"device={self.device!r} is not supported; use one of {_DEVICES}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.gguf_kernels not in ("auto", "off"):
+            raise ValueError(f"gguf_kernels={self.gguf_kernels!r}: use auto or off")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: use auto, cpu, torch or triton")
 

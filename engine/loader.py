@@ -17,6 +17,7 @@ from engine.model_source import ModelSource, load_arch, resolve_model  # noqa: F
 from engine.models.arch import (
     ArchConfig,
 )
+from engine.models.quant_linear import QTYPES, QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,27 @@ class Checkpoint:
             yield from _iter_safetensors(self.source.path)
         else:
             yield from _iter_gguf(self.gguf, self.arch)
+
+    def quantized_weights(self) -> dict[str, QuantizedWeight]:
+        """HF parameter name -> the GGUF blocks of every 2-D weight whose type the quantized
+        linear kernel reads (Q4_0, Q4_1, Q8_0), rows in the same order as ``weights()`` yields
+        them; empty for safetensors checkpoints."""
+        gguf = self.gguf
+        if gguf is None:
+            return {}
+        permuted = gguf.metadata.get("general.architecture") in ("llama", "mistral")
+        found = {}
+        for tensor in gguf.tensors:
+            name = _gguf_to_hf_name(tensor.name)
+            if name is None or tensor.tensor_type not in QTYPES or len(tensor.shape) != 2:
+                continue
+            blocks = np.asarray(tensor.data)
+            if permuted and name.endswith("q_proj.weight"):
+                blocks = _unpermute_rope(blocks, self.arch.num_heads)
+            elif permuted and name.endswith("k_proj.weight"):
+                blocks = _unpermute_rope(blocks, self.arch.num_kv_heads)
+            found[name] = QuantizedWeight.from_blocks(tensor.tensor_type, blocks, tensor.shape[1])
+        return found
 
     def rope_freq_factors(self) -> torch.Tensor | None:
         """Llama 3.1 GGUFs store their rope scaling as per-frequency divisors."""

@@ -32,6 +32,7 @@ from engine.config import (
 from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVPool, KVPoolShape, capacity_lines
 from engine.loader import Checkpoint, resolve_model
+from engine.models import quant_linear
 from engine.models.arch import ArchConfig
 from engine.models.layers import RotaryEmbedding, TensorParallel, can_pack_linear
 from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM, check_tensor_parallel
@@ -140,7 +141,8 @@ class ModelRunner:
             self.group = TPGroup(self.parallel, self.device)
             tp = TensorParallel(self.group.rank, self.group.size, self.group.all_reduce)
         started = time.perf_counter()
-        self.model = self._load_model(checkpoint, attention_backend(model_config, self.device), tp)
+        self.model = self._load_model(checkpoint, attention_backend(model_config, self.device), tp,
+                                      model_config.gguf_kernels)
         logger.info("loaded %s (%s, %.1fM params, %s, TP rank %d of %d) in %.1f s", self.source.path,
                     self.arch.architecture, self.arch.num_params / 1e6, self.dtype, tp.rank, tp.size,
                     time.perf_counter() - started)
@@ -185,7 +187,8 @@ class ModelRunner:
         assert self.kv_pool is not None, "the KV pool is allocated in __init__"
         return self.kv_pool.num_blocks
 
-    def _load_model(self, checkpoint: Checkpoint, backend: ModuleType, tp: TensorParallel) -> LlamaForCausalLM:
+    def _load_model(self, checkpoint: Checkpoint, backend: ModuleType, tp: TensorParallel,
+                    gguf_kernels: str = "auto") -> LlamaForCausalLM:
         cls = MODEL_CLASSES[self.arch.architecture]
         max_positions = max(self.max_model_len, self.arch.max_position_embeddings)
         rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope_theta,
@@ -196,7 +199,32 @@ class ModelRunner:
         model.load_weights(checkpoint.weights(), self.dtype, self.device)
         if can_pack_linear(self.device, self.dtype):
             model.pack_for_cpu()
+            if gguf_kernels == "auto" and checkpoint.gguf is not None and quant_linear.load() is not None:
+                self._use_quantized(model, checkpoint)
         return model.eval()
+
+    def _use_quantized(self, model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:
+        """Attach the GGUF blocks to the packed linears and let decode steps use them up to the
+        batch size where they measured faster than the dense weights here."""
+        linears = model.attach_quantized(checkpoint.quantized_weights())
+        if not linears:
+            return
+        max_batch, timings = quant_linear.measure_max_batch(linears, self.dtype)
+        measured = ", ".join(f"batch {b}: {q:.1f} vs {d:.1f} ms" for b, (q, d) in timings.items())
+        types = ", ".join(sorted({lin.quant.name for lin in linears if lin.quant is not None}))
+        if max_batch == 0:
+            for lin in linears:
+                lin.quant = None   # slower here even at batch 1: keep only the dense weights
+            logger.info("GGUF %s blocks: not used, the dense weights were faster (quantized vs dense, %d "
+                        "linears: %s)", types, len(linears), measured)
+            return
+        for lin in linears:
+            lin.quant_max_batch = max_batch
+        logger.info("GGUF %s blocks: steps of up to %d tokens read %d linears' quantized weights (%.0f MB "
+                    "beside %.0f MB dense; quantized vs dense: %s)", types, max_batch, len(linears),
+                    sum(lin.quant.data.numel() for lin in linears if lin.quant is not None) / 1e6,
+                    sum(lin.in_features * lin.out_features for lin in linears) * self.dtype.itemsize / 1e6,
+                    measured)
 
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if cache_config.num_gpu_blocks_override is not None:

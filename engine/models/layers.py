@@ -14,8 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import quant_linear
+
 if TYPE_CHECKING:
     from engine.models.cpu_ops import LayerOps
+    from engine.models.quant_linear import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -69,20 +72,36 @@ class RMSNorm(nn.Module):
 class PackedLinear(nn.Module):
     """A bias-optional linear layer whose weight oneDNN reordered once, at load, into its blocked
     layout (what inductor's freezing does for CPU linears): no per-call weight reorder, and
-    GEMV/GEMM kernels that stream the weight at close to memory bandwidth. CPU only."""
+    GEMV/GEMM kernels that stream the weight at close to memory bandwidth. CPU only.
+
+    A GGUF model's linears may also hold their quantized blocks (``quant``, set by
+    ``LlamaForCausalLM.attach_quantized``): inputs of at most ``quant_max_batch`` rows (decode
+    steps) are then multiplied from the blocks, which read several times fewer bytes
+    (``engine/models/quant_linear.py``)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
         self.bias = None if bias is None else bias.detach()
+        self.quant: QuantizedWeight | None = None
+        self.quant_max_batch = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.quant_max_batch and self.quant is not None:
+            return self.quantized_forward(x)
+        return self.dense_forward(x)
+
+    def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.quant is not None
+        return quant_linear.linear(x, self.quant, self.bias)
 
 
 def can_pack_linear(device: torch.device, dtype: torch.dtype) -> bool:

@@ -26,6 +26,7 @@ from engine.models.layers import (
     apply_rotary,
     pack_linears,
 )
+from engine.models.quant_linear import QuantizedWeight
 
 # HF parameter name suffix -> (fused parameter, shard index)
 _STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -235,6 +236,34 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.packed_head = PackedLinear(self.embed_tokens.weight, None)
         return count + 1
+
+    def attach_quantized(self, weights: dict[str, QuantizedWeight]) -> list[PackedLinear]:
+        """Give each packed linear (after ``pack_for_cpu``) the GGUF blocks of its weight, fusing
+        q/k/v and gate/up rows as ``load_weights`` fused the dense ones; returns the linears that
+        got them. A fused linear whose parts differ in type stays dense. Tensor-parallel ranks
+        keep the dense slices only."""
+        if self.tp.size != 1:
+            return []
+        attached = []
+
+        def attach(linear: nn.Module | None, names: list[str]) -> None:
+            parts = [weights.get(name) for name in names]
+            if not isinstance(linear, PackedLinear) or any(p is None for p in parts):
+                return
+            quant = QuantizedWeight.concat([p for p in parts if p is not None])
+            if quant is not None and (quant.rows, quant.in_features) == (linear.out_features, linear.in_features):
+                linear.quant = quant
+                attached.append(linear)
+
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            prefix = f"layers.{i}."
+            attach(layer.self_attn.qkv_proj, [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"])
+            attach(layer.self_attn.o_proj, [f"{prefix}self_attn.o_proj.weight"])
+            attach(layer.mlp.gate_up_proj, [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
+            attach(layer.mlp.down_proj, [f"{prefix}mlp.down_proj.weight"])
+        attach(self.packed_head, ["embed_tokens.weight" if self.lm_head is None else "lm_head.weight"])
+        return attached
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                      device: torch.device) -> None:

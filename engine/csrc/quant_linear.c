@@ -1,0 +1,169 @@
+/*
+ * Linear layers straight from GGUF-quantized weights, for Tandem's CPU decode steps
+ * (engine/models/quant_linear.py).
+ *
+ * out[m, n] = sum_k x[m, k] * W[n, k], with x and out float32 and W stored as GGUF blocks of 32
+ * weights along k (Q4_0, Q4_1, Q8_0). A decode step is bound by reading the weights: a Q4_1
+ * weight is 5 bits where the dequantized model is 32 (float32) or 16 (bfloat16), so reading
+ * the blocks and dequantizing in registers moves 3-6x fewer bytes per step. Dequantization is
+ * exact: a block's value is d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0) in float32,
+ * with d and m float16, the same numbers the loader's dequantized weights hold.
+ *
+ * Work split: each thread takes a contiguous range of tiles of NT weight rows, dequantizes a
+ * tile into a small float32 scratch (L1/L2 resident), then multiplies every row of x against
+ * it in register tiles of MB x NT dot products over k. Every output element is one thread's
+ * fixed-order sum, so results do not depend on the number of threads. AVX-512 only: without it
+ * tandem_qlinear_supported() is 0 and callers keep the dense oneDNN weights.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#else
+#define HAVE_AVX512 0
+#endif
+
+#define ABI_VERSION 1
+/* GGML type ids (gguf.GGMLQuantizationType). */
+enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8 };
+enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_QTYPE = 3, ERR_UNSUPPORTED = 4 };
+
+#define QK 32   /* weights per block, every type here */
+#define NT 4    /* weight rows per register tile (and per dequantized scratch tile) */
+#define MB 6    /* rows of x per register tile: MB * NT accumulators + NT + 1 loads fit 32 zmm */
+
+int tandem_qlinear_abi_version(void) { return ABI_VERSION; }
+int tandem_qlinear_supported(void) { return HAVE_AVX512; }
+
+/* Bytes of one block of `qtype`, 0 for a type this file does not read. */
+static int64_t block_bytes(int32_t qtype) {
+    switch (qtype) {
+        case QTYPE_Q4_0: return 18;
+        case QTYPE_Q4_1: return 20;
+        case QTYPE_Q8_0: return 34;
+        default: return 0;
+    }
+}
+
+#if HAVE_AVX512
+
+static inline float half_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+/* One row of K weights (K / 32 blocks) into float32. */
+static void dequant_row(const uint8_t *restrict row, int64_t nblocks, int32_t qtype, float *restrict dst) {
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    for (int64_t b = 0; b < nblocks; b++, dst += QK) {
+        if (qtype == QTYPE_Q8_0) {
+            const uint8_t *blk = row + b * 34;
+            __m512 d = _mm512_set1_ps(half_to_f32(blk));
+            __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+            __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
+            _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)));
+            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)));
+        } else {
+            /* Q4: byte j holds weight j in its low nibble and weight j + 16 in its high one. */
+            const int64_t bytes = qtype == QTYPE_Q4_1 ? 20 : 18;
+            const uint8_t *blk = row + b * bytes;
+            const uint8_t *qs = blk + (qtype == QTYPE_Q4_1 ? 4 : 2);
+            __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+            __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(packed, low4));
+            __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4));
+            __m512 d = _mm512_set1_ps(half_to_f32(blk));
+            if (qtype == QTYPE_Q4_1) {
+                __m512 m = _mm512_set1_ps(half_to_f32(blk + 2));
+                _mm512_storeu_ps(dst, _mm512_fmadd_ps(d, q0, m));   /* d * q exact: fma == mul + add */
+                _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(d, q1, m));
+            } else {
+                __m512 eight = _mm512_set1_ps(8.0f);
+                _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_sub_ps(q0, eight)));
+                _mm512_storeu_ps(dst + 16, _mm512_mul_ps(d, _mm512_sub_ps(q1, eight)));
+            }
+        }
+    }
+}
+
+/* out[m, n0 + j] for m < mb (<= MB), j < nt (<= NT): x rows against the dequantized tile `w`
+ * (nt rows of K floats). Constant mb/nt at each call site let gcc unroll into registers. */
+static inline __attribute__((always_inline)) void tile_dot(
+        const float *restrict x, int64_t x_stride, int mb, const float *restrict w, int nt, int64_t K,
+        float *restrict out, int64_t out_stride) {
+    __m512 acc[MB][NT];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        __m512 wv[NT];
+        for (int j = 0; j < nt; j++) wv[j] = _mm512_loadu_ps(w + j * K + k);
+        for (int i = 0; i < mb; i++) {
+            __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
+            for (int j = 0; j < nt; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nt; j++) out[i * out_stride + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+#define TILE_CASE(MBC)                                                                     \
+    case MBC:                                                                              \
+        if (nt == NT) tile_dot(x, x_stride, MBC, w, NT, K, out, out_stride);               \
+        else tile_dot(x, x_stride, MBC, w, nt, K, out, out_stride);                        \
+        break;
+
+static void tile_rows(const float *x, int64_t x_stride, int mb, const float *w, int nt, int64_t K,
+                      float *out, int64_t out_stride) {
+    switch (mb) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
+        default: break;
+    }
+}
+
+#endif /* HAVE_AVX512 */
+
+int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
+                   const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
+                   float *out, int64_t out_stride, int32_t nthreads) {
+    const int64_t bb = block_bytes(qtype);
+    if (bb == 0) return ERR_BAD_QTYPE;
+    if (M < 0 || N < 0 || K <= 0 || K % QK != 0 || w_row_bytes != K / QK * bb || x_stride < K || out_stride < N)
+        return ERR_BAD_SHAPE;
+#if !HAVE_AVX512
+    (void)x; (void)w; (void)out; (void)nthreads;
+    return ERR_UNSUPPORTED;
+#else
+    if (M == 0 || N == 0) return OK;
+    const int64_t ntiles = (N + NT - 1) / NT;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > ntiles) nthreads = (int32_t)ntiles;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        /* Contiguous tile ranges: each thread streams its own stretch of the weights. */
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
+        float *scratch = aligned_alloc(64, (size_t)(NT * K * sizeof(float) + 63) / 64 * 64);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            for (int64_t t = first; t < last; t++) {
+                const int64_t n0 = t * NT;
+                const int nt = (int)(N - n0 < NT ? N - n0 : NT);
+                for (int j = 0; j < nt; j++) dequant_row(w + (n0 + j) * w_row_bytes, K / QK, qtype, scratch + j * K);
+                for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                    const int mb = (int)(M - m0 < MB ? M - m0 : MB);
+                    tile_rows(x + m0 * x_stride, x_stride, mb, scratch, nt, K, out + m0 * out_stride + n0, out_stride);
+                }
+            }
+            free(scratch);
+        }
+    }
+    return failed ? ERR_NO_MEMORY : OK;
+#endif
+}

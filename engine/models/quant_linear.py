@@ -1,0 +1,153 @@
+"""Decode-step linears read straight from a GGUF file's quantized blocks (``engine/csrc/quant_linear.c``).
+
+Runs in a CPU worker's engine thread. A GGUF model's weights are dequantized at load into the
+model's dense (oneDNN-packed) linears, which prefill chunks use. A decode step multiplies a few
+rows by every weight, so it is bound by how many weight bytes it reads: a Q4_1 weight is 5 bits
+where the dense model holds 32 (float32) or 16 (bfloat16). ``PackedLinear`` therefore also keeps
+the quantized blocks (``QuantizedWeight``) and, for inputs of at most ``max_batch`` rows, calls
+the C kernel, which dequantizes each block in registers to the same float32 values the dense
+weights hold. ``measure_max_batch`` picks ``max_batch`` on this machine at load: the largest
+tested batch at which the blocks were faster than the dense weights for the model's own linears.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from engine.attention.cpu_kernels import CSRC, KernelBuildError, build
+
+if TYPE_CHECKING:
+    from engine.models.layers import PackedLinear
+
+logger = logging.getLogger(__name__)
+SOURCE = CSRC / "quant_linear.c"
+ABI_VERSION = 1
+# GGML type id -> (name, bytes per block of 32 weights): the types the kernel reads.
+QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+BLOCK = 32
+TUNE_BATCHES = (1, 4, 16, 64)
+STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """``rows`` weight rows of ``in_features`` each, as GGUF blocks: ``data`` is uint8 ``[rows, row_bytes]``."""
+
+    qtype: int
+    data: torch.Tensor
+    in_features: int
+
+    @property
+    def rows(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def name(self) -> str:
+        return QTYPES[self.qtype][0]
+
+    @staticmethod
+    def row_bytes(qtype: int, in_features: int) -> int:
+        return in_features // BLOCK * QTYPES[qtype][1]
+
+    @classmethod
+    def from_blocks(cls, qtype: int, blocks: np.ndarray, in_features: int) -> QuantizedWeight:
+        """``blocks``: uint8 ``[rows, row_bytes]`` as a GGUF tensor stores them (copied)."""
+        if qtype not in QTYPES or in_features % BLOCK:
+            raise ValueError(f"GGML type {qtype} with {in_features} input features has no quantized kernel")
+        if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] != cls.row_bytes(qtype, in_features):
+            raise ValueError(f"blocks {blocks.shape} {blocks.dtype} are not rows of {in_features} "
+                             f"{QTYPES[qtype][0]} weights")
+        return cls(qtype, torch.from_numpy(np.ascontiguousarray(blocks).copy()), in_features)
+
+    @classmethod
+    def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight | None:
+        """The rows of ``parts`` one after the other (a fused q/k/v or gate/up weight); None when
+        they differ in type or width (the fused linear then stays dense)."""
+        if len({(p.qtype, p.in_features) for p in parts}) != 1:
+            return None
+        return cls(parts[0].qtype, torch.cat([p.data for p in parts]), parts[0].in_features)
+
+
+class _Kernel:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if lib.tandem_qlinear_abi_version() != ABI_VERSION:
+            raise KernelBuildError(f"quant_linear ABI {lib.tandem_qlinear_abi_version()}, expected {ABI_VERSION}")
+        self.supported = bool(lib.tandem_qlinear_supported())
+        self._fn = lib.tandem_qlinear
+        self._fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i32, _ptr, _i64, _i32]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype != torch.float32:
+            x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        num_rows = x.shape[0]
+        out = torch.empty(num_rows, weight.rows, dtype=torch.float32)
+        status = self._fn(x.data_ptr(), x.stride(0), num_rows, weight.in_features, weight.data.data_ptr(),
+                          weight.data.shape[1], weight.rows, weight.qtype, out.data_ptr(), out.stride(0),
+                          torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"quantized linear kernel: {STATUS_MESSAGES.get(status, status)}")
+        if bias is not None:
+            out += bias
+        return out if dtype == torch.float32 else out.to(dtype)
+
+
+@lru_cache(maxsize=1)
+def load() -> _Kernel | None:
+    """The kernel, or None where it cannot be built or has no AVX-512 (dense weights only)."""
+    try:
+        kernel = _Kernel(ctypes.CDLL(str(build(source_path=SOURCE))))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("quantized GGUF linears unavailable, decoding with the dense weights: %s", exc)
+        return None
+    return kernel if kernel.supported else None
+
+
+def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T (+ bias)`` in ``x``'s dtype (computed in float32)."""
+    kernel = load()
+    if kernel is None:
+        raise KernelBuildError("the quantized linear kernel is not available on this machine")
+    return kernel(x, weight, bias)
+
+
+def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: tuple[int, ...] = TUNE_BATCHES,
+                      repeats: int = 2) -> tuple[int, dict[int, tuple[float, float]]]:
+    """The largest of ``batches`` up to which every tested batch ran ``linears`` (each holding
+    a ``quant``) faster from the quantized blocks than from the dense weights; 0 when batch 1
+    did not. Times every linear once per batch and path (best of ``repeats``), so the weights
+    stream from memory as in a decode step. Returns it with {batch: (quantized ms, dense ms)}."""
+    widths = {lin.in_features for lin in linears}
+    timings: dict[int, tuple[float, float]] = {}
+    best = 0
+    with torch.no_grad():
+        for batch in batches:
+            xs = {k: torch.randn(batch, k).to(dtype) for k in widths}
+
+            def run(quantized: bool) -> float:
+                started = time.perf_counter()
+                for lin in linears:
+                    x = xs[lin.in_features]
+                    lin.quantized_forward(x) if quantized else lin.dense_forward(x)
+                return (time.perf_counter() - started) * 1e3
+
+            run(True), run(False)   # warm-up: first-touch of scratch, oneDNN primitive creation
+            q_ms = min(run(True) for _ in range(repeats))
+            d_ms = min(run(False) for _ in range(repeats))
+            timings[batch] = (q_ms, d_ms)
+            if q_ms >= d_ms:
+                break
+            best = batch
+    return best, timings

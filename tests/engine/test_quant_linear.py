@@ -1,0 +1,140 @@
+"""Decode linears read from GGUF blocks (engine/csrc/quant_linear.c) against float64 references
+and against the dense weights the loader dequantizes."""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from engine.attention.cpu_kernels import build
+from engine.loader import Checkpoint, resolve_model
+from engine.models import quant_linear
+from engine.models.quant_linear import QTYPES, QuantizedWeight
+from tests.engine.conftest import SMOLLM2
+
+pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="needs AVX-512 and a C compiler")
+TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+
+
+def _weight(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    dense = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32)
+    blocks = quantize(dense, qtype)
+    return (QuantizedWeight.from_blocks(int(qtype), blocks, cols),
+            torch.from_numpy(dequantize(blocks, qtype).reshape(rows, cols)))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_matches_float64_reference(qtype, rows):
+    # 37 output features: a partial tile of 4; rows cover partial and whole tiles of 6.
+    weight, dense = _weight(qtype, 37, 96)
+    x = torch.randn(rows, 96)
+    ref = x.double() @ dense.double().T
+    got = quant_linear.linear(x, weight)
+    assert got.dtype == torch.float32 and got.shape == (rows, 37)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantizes_exactly(qtype):
+    """Rows of the identity pick single weights: every value equals gguf's dequantization bit for bit."""
+    weight, dense = _weight(qtype, 12, 64, seed=1)
+    assert torch.equal(quant_linear.linear(torch.eye(64), weight), dense.T)
+
+
+def test_strided_rows_bias_and_bfloat16():
+    weight, dense = _weight(GGMLQuantizationType.Q4_1, 20, 64)
+    wide = torch.randn(3, 100)
+    x, bias = wide[:, :64], torch.randn(20)
+    torch.testing.assert_close(quant_linear.linear(x, weight, bias), x @ dense.T + bias, rtol=1e-5, atol=1e-5)
+    got = quant_linear.linear(x.bfloat16(), weight)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), x.bfloat16().float() @ dense.T, rtol=1e-2, atol=1e-2)
+    assert quant_linear.linear(torch.empty(0, 64), weight).shape == (0, 20)
+
+
+def test_bad_blocks_are_refused():
+    blocks = quantize(np.ones((2, 64), np.float32), GGMLQuantizationType.Q8_0)
+    with pytest.raises(ValueError, match="no quantized kernel"):
+        QuantizedWeight.from_blocks(int(GGMLQuantizationType.Q4_K), blocks, 64)
+    with pytest.raises(ValueError, match="not rows of 96"):
+        QuantizedWeight.from_blocks(int(GGMLQuantizationType.Q8_0), blocks, 96)
+    q8 = QuantizedWeight.from_blocks(int(GGMLQuantizationType.Q8_0), blocks, 64)
+    q4, _ = _weight(GGMLQuantizationType.Q4_1, 2, 64)
+    assert QuantizedWeight.concat([q8, q4]) is None
+    assert QuantizedWeight.concat([q8, q8]).rows == 4
+    # The C side checks what it trusts: a row width that disagrees with K is an error, not a read.
+    lying = QuantizedWeight(q8.qtype, q8.data, 96)
+    with pytest.raises(ValueError, match="bad shape"):
+        quant_linear.linear(torch.ones(1, 96), lying)
+
+
+def test_without_avx512_the_kernel_says_so():
+    path = build(cflags=("-O3", "-march=native", "-mno-avx512f", "-fopenmp", "-shared", "-fPIC"),
+                 source_path=quant_linear.SOURCE)
+    lib = ctypes.CDLL(str(path))
+    kernel = quant_linear._Kernel(lib)
+    assert not kernel.supported
+    weight, _ = _weight(GGMLQuantizationType.Q8_0, 4, 32)
+    with pytest.raises(ValueError, match="no AVX-512"):
+        kernel(torch.ones(1, 32), weight, None)
+
+
+@pytest.fixture(scope="module")
+def smollm2_checkpoint(smollm2_gguf):
+    return Checkpoint(resolve_model(SMOLLM2))
+
+
+def test_gguf_blocks_match_the_loaded_weights(smollm2_checkpoint):
+    """Same values, same row order (q/k rows un-permuted for rotate-half rotary) as the dense load."""
+    quantized = smollm2_checkpoint.quantized_weights()
+    assert {w.name for w in quantized.values()} == {"Q4_1", "Q8_0"}
+    wanted = {"embed_tokens.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+              "layers.3.mlp.down_proj.weight"}
+    seen = set()
+    for name, dense in smollm2_checkpoint.weights():
+        if name in wanted:
+            weight = quantized[name]
+            identity = torch.eye(weight.in_features)
+            assert torch.equal(quant_linear.linear(identity, weight).T, dense), name
+            seen.add(name)
+    assert seen == wanted
+
+
+def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
+    from engine.config import SamplingParams
+    from engine.llm import LLM
+
+    llm = LLM(SMOLLM2, dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=80,
+              gguf_kernels="off")
+    try:
+        model = llm.engine.runner.model
+        assert all(lin.quant is None for lin in model.modules() if hasattr(lin, "quant"))
+        linears = model.attach_quantized(smollm2_checkpoint.quantized_weights())
+        assert len(linears) == 4 * model.config.num_layers + 1   # qkv, o, gate_up, down per layer; the head
+        x = torch.randn(3, model.config.hidden_size)
+        qkv = model.layers[0].self_attn.qkv_proj
+        torch.testing.assert_close(qkv.quantized_forward(x), qkv.dense_forward(x), rtol=1e-4, atol=1e-4)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        prompts = [[{"role": "user", "content": "What is the capital of France?"}],
+                   [{"role": "user", "content": "List three prime numbers."}]]
+        dense = [out.token_ids for out in llm.chat(prompts, params)]
+        for lin in linears:
+            lin.quant_max_batch = 64
+        assert [out.token_ids for out in llm.chat(prompts, params)] == dense
+        max_batch, timings = quant_linear.measure_max_batch(linears, torch.float32, batches=(1, 4), repeats=1)
+        assert max_batch in (0, 1, 4) and set(timings) <= {1, 4}
+    finally:
+        llm.close()
+
+
+def test_types_table_matches_gguf():
+    from gguf import GGML_QUANT_SIZES
+
+    for qtype, (name, nbytes) in QTYPES.items():
+        assert GGMLQuantizationType(qtype).name == name
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (32, nbytes)
