@@ -209,7 +209,8 @@ class ModelRunner:
         linears = model.attach_quantized(checkpoint.quantized_weights())
         if not linears:
             return
-        max_batch, timings = quant_linear.measure_max_batch(linears, self.dtype)
+        with quant_linear.measuring_alone():
+            max_batch, timings = quant_linear.measure_max_batch(linears, self.dtype)
         measured = ", ".join(f"batch {b}: {q:.1f} vs {d:.1f} ms" for b, (q, d) in timings.items())
         types = ", ".join(sorted({lin.quant.name for lin in linears if lin.quant is not None}))
         if max_batch == 0:

@@ -11,9 +11,12 @@ tested batch at which the blocks were faster than the dense weights for the mode
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -21,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.attention.cpu_kernels import CSRC, KernelBuildError, build
+from engine.attention.cpu_kernels import CSRC, KernelBuildError, build, cache_dir
 
 if TYPE_CHECKING:
     from engine.models.layers import PackedLinear
@@ -32,7 +35,7 @@ ABI_VERSION = 1
 # GGML type id -> (name, bytes per block of 32 weights): the types the kernel reads.
 QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
-TUNE_BATCHES = (1, 4, 16, 64)
+TUNE_BATCHES = (1, 4, 16, 32, 64)
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -123,8 +126,27 @@ def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None =
     return kernel(x, weight, bias)
 
 
+@contextlib.contextmanager
+def measuring_alone() -> Iterator[None]:
+    """Held while a worker times its linears: workers of one node starting together (prefill
+    and decode of `tandem serve`) take turns instead of timing each other's load. Best effort:
+    without a writable cache directory the measurement runs unlocked."""
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        handle = open(cache_dir() / "quant_linear.lock", "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: tuple[int, ...] = TUNE_BATCHES,
-                      repeats: int = 2) -> tuple[int, dict[int, tuple[float, float]]]:
+                      repeats: int = 3) -> tuple[int, dict[int, tuple[float, float]]]:
     """The largest of ``batches`` up to which every tested batch ran ``linears`` (each holding
     a ``quant``) faster from the quantized blocks than from the dense weights; 0 when batch 1
     did not. Times every linear once per batch and path (best of ``repeats``), so the weights
