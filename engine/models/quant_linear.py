@@ -36,6 +36,7 @@ ABI_VERSION = 1
 QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
 BLOCK = 32
 TUNE_BATCHES = (1, 4, 16, 32, 64)
+TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -146,11 +147,21 @@ def measuring_alone() -> Iterator[None]:
 
 
 def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: tuple[int, ...] = TUNE_BATCHES,
-                      repeats: int = 3) -> tuple[int, dict[int, tuple[float, float]]]:
+                      repeats: int = 3, dense_bytes: int = TUNE_DENSE_BYTES
+                      ) -> tuple[int, dict[int, tuple[float, float]]]:
     """The largest of ``batches`` up to which every tested batch ran ``linears`` (each holding
     a ``quant``) faster from the quantized blocks than from the dense weights; 0 when batch 1
-    did not. Times every linear once per batch and path (best of ``repeats``), so the weights
-    stream from memory as in a decode step. Returns it with {batch: (quantized ms, dense ms)}."""
+    did not. Times the first linears holding ``dense_bytes`` of dense weights (all of a small
+    model), each once per batch and path (best of ``repeats``), so the weights stream from
+    memory as in a decode step while a large model's start-up does not pay for timing all of
+    them. Returns it with {batch: (quantized ms, dense ms)}."""
+    sample, total = [], 0
+    for lin in linears:
+        if total >= dense_bytes:
+            break
+        sample.append(lin)
+        total += lin.in_features * lin.out_features * dtype.itemsize
+    linears = sample
     widths = {lin.in_features for lin in linears}
     timings: dict[int, tuple[float, float]] = {}
     best = 0

@@ -126,7 +126,8 @@ def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
         for lin in linears:
             lin.quant_max_batch = 64
         assert [out.token_ids for out in llm.chat(prompts, params)] == dense
-        max_batch, timings = quant_linear.measure_max_batch(linears, torch.float32, batches=(1, 4), repeats=1)
+        max_batch, timings = quant_linear.measure_max_batch(linears, torch.float32, batches=(1, 4), repeats=1,
+                                                            dense_bytes=1 << 20)
         assert max_batch in (0, 1, 4) and set(timings) <= {1, 4}
     finally:
         llm.close()
