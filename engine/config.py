@@ -78,9 +78,9 @@ class ModelConfig:
                                   "be compiled), cpu (C kernels over the paged cache, needs gcc), torch or triton")
     revision: str | None = flag(None, "branch, tag or commit of a Hugging Face id (default: main)")
     download_dir: str | None = flag(None, "HF cache directory for Hugging Face ids (default: HF_HUB_CACHE)")
-    gguf_kernels: str = flag("auto", "GGUF Q4_0/Q4_1/Q8_0 weights on CPU: auto (decode steps read the quantized "
-                             "blocks up to the batch size where that measured faster at load; needs AVX-512 "
-                             "and TP 1) or off (dense weights only)", choices=("auto", "off"))
+    gguf_kernels: str = flag("auto", "GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights on CPU: auto (decode steps read the "
+                             "quantized blocks up to the batch size where that measured faster at load; needs "
+                             "AVX-512 and TP 1) or off (dense weights only)", choices=("auto", "off"))
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -49,7 +49,7 @@ class Checkpoint:
 
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         """HF parameter name -> the GGUF blocks of every 2-D weight whose type the quantized
-        linear kernel reads (Q4_0, Q4_1, Q8_0), rows in the same order as ``weights()`` yields
+        linear kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), rows in the same order as ``weights()`` yields
         them; empty for safetensors checkpoints."""
         gguf = self.gguf
         if gguf is None:

@@ -2,12 +2,15 @@
  * Linear layers straight from GGUF-quantized weights, for Tandem's CPU decode steps
  * (engine/models/quant_linear.py).
  *
- * out[m, n] = sum_k x[m, k] * W[n, k], with x and out float32 and W stored as GGUF blocks of 32
- * weights along k (Q4_0, Q4_1, Q8_0). A decode step is bound by reading the weights: a Q4_1
+ * out[m, n] = sum_k x[m, k] * W[n, k], with x and out float32 and W stored as GGUF blocks along k:
+ * Q4_0, Q4_1, Q8_0 (32 weights a block) and the K-quants Q4_K, Q6_K (256). A decode step is bound by reading the weights: a Q4_1
  * weight is 5 bits where the dequantized model is 32 (float32) or 16 (bfloat16), so reading
- * the blocks and dequantizing in registers moves 3-6x fewer bytes per step. Dequantization is
- * exact: a block's value is d * q + m (Q4_1), d * (q - 8) (Q4_0) or d * q (Q8_0) in float32,
- * with d and m float16, the same numbers the loader's dequantized weights hold.
+ * the blocks and dequantizing in registers moves 3-6x fewer bytes per step. Dequantization
+ * repeats gguf's float32 arithmetic operation for operation (d * q + m for Q4_1, d * (q - 8) for
+ * Q4_0, d * q for Q8_0, (d * sc) * q - dmin * m for Q4_K, (d * sc) * q for Q6_K, with the float16
+ * d/m and the integer scales as the GGML formats define them), so the values are bit for bit
+ * those the loader's dequantized weights hold: where an fma replaces a multiply and an add, the
+ * product is exact in float32.
  *
  * Work split: each thread takes a contiguous range of tiles of NT weight rows, dequantizes a
  * tile into a small float32 scratch (L1/L2 resident), then multiplies every row of x against
@@ -29,10 +32,11 @@
 
 #define ABI_VERSION 1
 /* GGML type ids (gguf.GGMLQuantizationType). */
-enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8 };
+enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_Q4_K = 12, QTYPE_Q6_K = 14 };
 enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_QTYPE = 3, ERR_UNSUPPORTED = 4 };
 
-#define QK 32   /* weights per block, every type here */
+#define QK 32    /* weights per block of Q4_0, Q4_1, Q8_0 */
+#define QK_K 256 /* weights per super-block of Q4_K, Q6_K */
 #define NT 4    /* weight rows per register tile (and per dequantized scratch tile) */
 #define MB 6    /* rows of x per register tile: MB * NT accumulators + NT + 1 loads fit 32 zmm */
 
@@ -45,8 +49,14 @@ static int64_t block_bytes(int32_t qtype) {
         case QTYPE_Q4_0: return 18;
         case QTYPE_Q4_1: return 20;
         case QTYPE_Q8_0: return 34;
+        case QTYPE_Q4_K: return 144;
+        case QTYPE_Q6_K: return 210;
         default: return 0;
     }
+}
+
+static int64_t block_weights(int32_t qtype) {
+    return qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K ? QK_K : QK;
 }
 
 #if HAVE_AVX512
@@ -57,9 +67,64 @@ static inline float half_to_f32(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
-/* One row of K weights (K / 32 blocks) into float32. */
-static void dequant_row(const uint8_t *restrict row, int64_t nblocks, int32_t qtype, float *restrict dst) {
+static inline __m512i bytes16(const uint8_t *p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Q4_K: d, dmin (float16), 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128
+ * bytes of nibbles: bytes 32g..32g+31 hold sub-block 2g in their low nibbles, 2g+1 in their high. */
+static void dequant_q4_k(const uint8_t *restrict blk, float *restrict dst) {
+    const float d = half_to_f32(blk), dmin = half_to_f32(blk + 2);
+    const uint8_t *sc = blk + 4, *qs = blk + 16;
     const __m512i low4 = _mm512_set1_epi32(0x0F);
+    for (int j = 0; j < 8; j++) {
+        int scale, min;
+        if (j < 4) {
+            scale = sc[j] & 63;
+            min = sc[j + 4] & 63;
+        } else {
+            scale = (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+            min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+        }
+        const __m512 dsc = _mm512_set1_ps(d * (float)scale), dm = _mm512_set1_ps(dmin * (float)min);
+        const uint8_t *q = qs + (j / 2) * 32;
+        for (int c = 0; c < 2; c++) {
+            __m512i packed = bytes16(q + c * 16);
+            __m512i nib = (j & 1) ? _mm512_srli_epi32(packed, 4) : _mm512_and_si512(packed, low4);
+            _mm512_storeu_ps(dst + j * 32 + c * 16, _mm512_fmsub_ps(dsc, _mm512_cvtepi32_ps(nib), dm));
+        }
+    }
+}
+
+/* Q6_K: 128 bytes of low nibbles, 64 bytes of high 2-bit pairs, 16 int8 scales (one per 16
+ * weights), d (float16). Weight 128h + r takes nibble r / 64 of ql[64h + r % 64] and bits
+ * 2 * (r / 32) of qh[32h + r % 32]; its value is (d * scale) * (q - 32). */
+static void dequant_q6_k(const uint8_t *restrict blk, float *restrict dst) {
+    const uint8_t *ql = blk, *qh = blk + 128;
+    const int8_t *scales = (const int8_t *)(blk + 192);
+    const float d = half_to_f32(blk + 208);
+    const __m512i low4 = _mm512_set1_epi32(0x0F), low2 = _mm512_set1_epi32(0x03), bias = _mm512_set1_epi32(32);
+    for (int h = 0; h < 2; h++) {
+        for (int r = 0; r < 128; r += 16) {
+            __m512i lo = _mm512_and_si512(_mm512_srli_epi32(bytes16(ql + 64 * h + r % 64), 4 * (r / 64)), low4);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi32(bytes16(qh + 32 * h + r % 32), 2 * (r / 32)), low2);
+            __m512i q = _mm512_sub_epi32(_mm512_or_si512(lo, _mm512_slli_epi32(hi, 4)), bias);
+            const __m512 dsc = _mm512_set1_ps(d * (float)scales[(128 * h + r) / 16]);
+            _mm512_storeu_ps(dst + 128 * h + r, _mm512_mul_ps(dsc, _mm512_cvtepi32_ps(q)));
+        }
+    }
+}
+
+/* One row of K weights into float32. */
+static void dequant_row(const uint8_t *restrict row, int64_t K, int32_t qtype, float *restrict dst) {
+    if (qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K) {
+        const int64_t bytes = block_bytes(qtype);
+        for (int64_t b = 0; b < K / QK_K; b++, dst += QK_K)
+            (qtype == QTYPE_Q4_K ? dequant_q4_k : dequant_q6_k)(row + b * bytes, dst);
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    const int64_t nblocks = K / QK;
     for (int64_t b = 0; b < nblocks; b++, dst += QK) {
         if (qtype == QTYPE_Q8_0) {
             const uint8_t *blk = row + b * 34;
@@ -131,7 +196,8 @@ int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
                    float *out, int64_t out_stride, int32_t nthreads) {
     const int64_t bb = block_bytes(qtype);
     if (bb == 0) return ERR_BAD_QTYPE;
-    if (M < 0 || N < 0 || K <= 0 || K % QK != 0 || w_row_bytes != K / QK * bb || x_stride < K || out_stride < N)
+    const int64_t bw = block_weights(qtype);
+    if (M < 0 || N < 0 || K <= 0 || K % bw != 0 || w_row_bytes != K / bw * bb || x_stride < K || out_stride < N)
         return ERR_BAD_SHAPE;
 #if !HAVE_AVX512
     (void)x; (void)w; (void)out; (void)nthreads;
@@ -155,7 +221,7 @@ int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
             for (int64_t t = first; t < last; t++) {
                 const int64_t n0 = t * NT;
                 const int nt = (int)(N - n0 < NT ? N - n0 : NT);
-                for (int j = 0; j < nt; j++) dequant_row(w + (n0 + j) * w_row_bytes, K / QK, qtype, scratch + j * K);
+                for (int j = 0; j < nt; j++) dequant_row(w + (n0 + j) * w_row_bytes, K, qtype, scratch + j * K);
                 for (int64_t m0 = 0; m0 < M; m0 += MB) {
                     const int mb = (int)(M - m0 < MB ? M - m0 : MB);
                     tile_rows(x + m0 * x_stride, x_stride, mb, scratch, nt, K, out + m0 * out_stride + n0, out_stride);

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "quant_linear.c"
 ABI_VERSION = 1
-# GGML type id -> (name, bytes per block of 32 weights): the types the kernel reads.
-QTYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
-BLOCK = 32
+# GGML type id -> (name, weights per block, bytes per block): the types the kernel reads.
+QTYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+          14: ("Q6_K", 256, 210)}
 TUNE_BATCHES = (1, 4, 16, 32, 64)
 TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
@@ -60,12 +60,13 @@ class QuantizedWeight:
 
     @staticmethod
     def row_bytes(qtype: int, in_features: int) -> int:
-        return in_features // BLOCK * QTYPES[qtype][1]
+        _, weights, nbytes = QTYPES[qtype]
+        return in_features // weights * nbytes
 
     @classmethod
     def from_blocks(cls, qtype: int, blocks: np.ndarray, in_features: int) -> QuantizedWeight:
         """``blocks``: uint8 ``[rows, row_bytes]`` as a GGUF tensor stores them (copied)."""
-        if qtype not in QTYPES or in_features % BLOCK:
+        if qtype not in QTYPES or in_features % QTYPES[qtype][1]:
             raise ValueError(f"GGML type {qtype} with {in_features} input features has no quantized kernel")
         if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] != cls.row_bytes(qtype, in_features):
             raise ValueError(f"blocks {blocks.shape} {blocks.dtype} are not rows of {in_features} "

@@ -18,6 +18,7 @@ from tests.engine.conftest import SMOLLM2
 
 pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="needs AVX-512 and a C compiler")
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+K_TYPES = [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K]
 
 
 def _weight(qtype: GGMLQuantizationType, rows: int, cols: int, seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -37,6 +38,37 @@ def test_matches_float64_reference(qtype, rows):
     got = quant_linear.linear(x, weight)
     assert got.dtype == torch.float32 and got.shape == (rows, 37)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _k_quant_weight(qtype: GGMLQuantizationType, rows: int, cols: int,
+                    seed: int = 0) -> tuple[QuantizedWeight, torch.Tensor]:
+    """Random K-quant super-blocks (gguf cannot quantize to these): random bytes are valid blocks
+    once their float16 scales are finite, and gguf's dequantization is the reference."""
+    _, weights, nbytes = QTYPES[int(qtype)]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (rows, cols // weights, nbytes), dtype=np.uint8)
+    scale_offsets = (0, 2) if qtype == GGMLQuantizationType.Q4_K else (208,)   # d, dmin / d
+    for offset in scale_offsets:
+        scale = rng.uniform(1e-3, 1e-2, (rows, cols // weights)).astype(np.float16)
+        blocks[..., offset:offset + 2] = scale.view(np.uint8).reshape(rows, cols // weights, 2)
+    blocks = blocks.reshape(rows, -1)
+    return (QuantizedWeight.from_blocks(int(qtype), blocks, cols),
+            torch.from_numpy(dequantize(blocks, qtype).reshape(rows, cols)))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 7, 16])
+def test_k_quants_match_float64_reference(qtype, rows):
+    weight, dense = _k_quant_weight(qtype, 9, 512)
+    x = torch.randn(rows, 512)
+    torch.testing.assert_close(quant_linear.linear(x, weight).double(), x.double() @ dense.double().T,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_k_quants_dequantize_exactly(qtype):
+    weight, dense = _k_quant_weight(qtype, 5, 256, seed=2)
+    assert torch.equal(quant_linear.linear(torch.eye(256), weight), dense.T)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -60,6 +92,8 @@ def test_strided_rows_bias_and_bfloat16():
 def test_bad_blocks_are_refused():
     blocks = quantize(np.ones((2, 64), np.float32), GGMLQuantizationType.Q8_0)
     with pytest.raises(ValueError, match="no quantized kernel"):
+        QuantizedWeight.from_blocks(int(GGMLQuantizationType.Q5_K), blocks, 64)
+    with pytest.raises(ValueError, match="no quantized kernel"):   # a K-quant row is whole super-blocks
         QuantizedWeight.from_blocks(int(GGMLQuantizationType.Q4_K), blocks, 64)
     with pytest.raises(ValueError, match="not rows of 96"):
         QuantizedWeight.from_blocks(int(GGMLQuantizationType.Q8_0), blocks, 96)
@@ -136,6 +170,6 @@ def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
 def test_types_table_matches_gguf():
     from gguf import GGML_QUANT_SIZES
 
-    for qtype, (name, nbytes) in QTYPES.items():
+    for qtype, (name, weights, nbytes) in QTYPES.items():
         assert GGMLQuantizationType(qtype).name == name
-        assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (32, nbytes)
+        assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (weights, nbytes)
