@@ -54,17 +54,12 @@ class Checkpoint:
         gguf = self.gguf
         if gguf is None:
             return {}
-        permuted = gguf.metadata.get("general.architecture") in ("llama", "mistral")
         found = {}
         for tensor in gguf.tensors:
             name = _gguf_to_hf_name(tensor.name)
             if name is None or tensor.tensor_type not in QTYPES or len(tensor.shape) != 2:
                 continue
-            blocks = np.asarray(tensor.data)
-            if permuted and name.endswith("q_proj.weight"):
-                blocks = _unpermute_rope(blocks, self.arch.num_heads)
-            elif permuted and name.endswith("k_proj.weight"):
-                blocks = _unpermute_rope(blocks, self.arch.num_kv_heads)
+            blocks = _hf_row_order(gguf, self.arch, name, np.asarray(tensor.data))
             found[name] = QuantizedWeight.from_blocks(tensor.tensor_type, blocks, tensor.shape[1])
         return found
 
@@ -103,17 +98,23 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
+def _hf_row_order(gguf: GGUFFile, arch: ArchConfig, name: str, rows: np.ndarray) -> np.ndarray:
+    """A GGUF tensor's rows (dequantized values or quantized blocks) in the HF order."""
+    if gguf.metadata.get("general.architecture") not in ("llama", "mistral"):
+        return rows
+    if name.endswith("q_proj.weight"):
+        return _unpermute_rope(rows, arch.num_heads)
+    if name.endswith("k_proj.weight"):
+        return _unpermute_rope(rows, arch.num_kv_heads)
+    return rows
+
+
 def _iter_gguf(gguf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    permuted = gguf.metadata.get("general.architecture") in ("llama", "mistral")
     for tensor in gguf.tensors:
         name = _gguf_to_hf_name(tensor.name)
         if name is None:
             continue
-        data = gguf.dequantize(tensor)
-        if permuted and name.endswith("q_proj.weight"):
-            data = _unpermute_rope(data, arch.num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            data = _unpermute_rope(data, arch.num_kv_heads)
+        data = _hf_row_order(gguf, arch, name, gguf.dequantize(tensor))
         yield name, torch.from_numpy(np.ascontiguousarray(data))
 
 

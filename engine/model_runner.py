@@ -212,7 +212,8 @@ class ModelRunner:
         with quant_linear.measuring_alone():
             max_batch, timings = quant_linear.measure_max_batch(linears, self.dtype)
         measured = ", ".join(f"batch {b}: {q:.1f} vs {d:.1f} ms" for b, (q, d) in timings.items())
-        types = ", ".join(sorted({lin.quant.name for lin in linears if lin.quant is not None}))
+        blocks = [lin.quant for lin in linears if lin.quant is not None]   # every one: attach_quantized set them
+        types = ", ".join(sorted({quant.name for quant in blocks}))
         if max_batch == 0:
             for lin in linears:
                 lin.quant = None   # slower here even at batch 1: keep only the dense weights
@@ -223,7 +224,7 @@ class ModelRunner:
             lin.quant_max_batch = max_batch
         logger.info("GGUF %s blocks: steps of up to %d tokens read %d linears' quantized weights (%.0f MB "
                     "beside %.0f MB dense; quantized vs dense: %s)", types, max_batch, len(linears),
-                    sum(lin.quant.data.numel() for lin in linears if lin.quant is not None) / 1e6,
+                    sum(quant.data.numel() for quant in blocks) / 1e6,
                     sum(lin.in_features * lin.out_features for lin in linears) * self.dtype.itemsize / 1e6,
                     measured)
 

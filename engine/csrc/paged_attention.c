@@ -23,12 +23,7 @@
 #include <string.h>
 
 #include "bf16.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
+#include "avx512.h"
 
 #define ABI_VERSION 1
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };

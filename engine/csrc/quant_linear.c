@@ -2,10 +2,11 @@
  * Linear layers straight from GGUF-quantized weights, for Tandem's CPU decode steps
  * (engine/models/quant_linear.py).
  *
- * out[m, n] = sum_k x[m, k] * W[n, k], with x and out float32 and W stored as GGUF blocks along k:
- * Q4_0, Q4_1, Q8_0 (32 weights a block) and the K-quants Q4_K, Q6_K (256). A decode step is bound by reading the weights: a Q4_1
- * weight is 5 bits where the dequantized model is 32 (float32) or 16 (bfloat16), so reading
- * the blocks and dequantizing in registers moves 3-6x fewer bytes per step. Dequantization
+ * out[m, n] = sum_k x[m, k] * W[n, k], with x and out float32 and W stored as GGUF blocks along
+ * k: Q4_0, Q4_1, Q8_0 (32 weights a block) and the K-quants Q4_K, Q6_K (256). A decode step is
+ * bound by reading the weights: a Q4_1 weight is 5 bits where the dequantized model is 32
+ * (float32) or 16 (bfloat16), so reading the blocks and dequantizing in registers moves 3-6x
+ * fewer bytes per step. Dequantization
  * repeats gguf's float32 arithmetic operation for operation (d * q + m for Q4_1, d * (q - 8) for
  * Q4_0, d * q for Q8_0, (d * sc) * q - dmin * m for Q4_K, (d * sc) * q for Q6_K, with the float16
  * d/m and the integer scales as the GGML formats define them), so the values are bit for bit
@@ -23,12 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define HAVE_AVX512 1
-#else
-#define HAVE_AVX512 0
-#endif
+#include "avx512.h"
 
 #define ABI_VERSION 1
 /* GGML type ids (gguf.GGMLQuantizationType). */

@@ -71,7 +71,7 @@ class QuantizedWeight:
         if blocks.ndim != 2 or blocks.dtype != np.uint8 or blocks.shape[1] != cls.row_bytes(qtype, in_features):
             raise ValueError(f"blocks {blocks.shape} {blocks.dtype} are not rows of {in_features} "
                              f"{QTYPES[qtype][0]} weights")
-        return cls(qtype, torch.from_numpy(np.ascontiguousarray(blocks).copy()), in_features)
+        return cls(qtype, torch.from_numpy(np.array(blocks, order="C", copy=True)), in_features)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight | None:
