@@ -1,11 +1,14 @@
 """Router overhead: added latency per request and sustained streamed requests/s.
 
     python benchmarks/router_overhead.py [--tokens 8] [--pace-ms 1] [--requests 3000] [--concurrency 64]
-                                         [--local-prefill] [--forwarder]
+                                         [--local-prefill] [--per-call | --forwarder]
 
 Three processes, like a deployment on one host: fake workers (tests/router/fake_workers.py: real gRPC
 servers making one token per --pace-ms for every open request, no model), the router
-(`python -m router`), and this load generator. Added latency = a request's end-to-end time
+(`python -m router`), and this load generator. The load generator is the async SDK
+(router/client.py), which sends every request on its one Multiplex stream; --per-call makes it
+use one Generate call per request instead, as a client of the plain RPCs does (grpcurl, another
+language's stubs). Added latency = a request's end-to-end time
 through the router (SDK -> router -> workers) minus the same request sent straight to the fake
 workers the way the router sends it (started on D's Session stream, submitted on P's:
 router/session.py), both at concurrency 1. Throughput = streamed requests
@@ -17,7 +20,7 @@ three processes run on uvloop where it is installed, as the router does.
 --forwarder puts a bare grpc.aio forwarder in the router's place (Generate -> a start on D's
 session + a submit on P's, messages copied through; no validation, tokenizer, policy, metrics or
 failover): the floor of a router with this transport on this machine, to read the router's
-numbers against.
+numbers against (it has Generate only, so the SDK makes a call per request).
 """
 from __future__ import annotations
 
@@ -145,9 +148,13 @@ async def direct_once(decode: DecodeSession, prefill: PrefillSession | None, add
 
 async def routed_once(client: AsyncTandemClient, prompt: list[int], tokens: int) -> float:
     start = time.perf_counter()
-    async for _ in client.generate_stream(prompt, max_tokens=tokens, temperature=0.0):
-        pass
-    return time.perf_counter() - start
+    received = 0
+    async for chunk in client.generate_stream(prompt, max_tokens=tokens, temperature=0.0):
+        received += len(chunk.token_ids)
+    elapsed = time.perf_counter() - start
+    if received != tokens:
+        raise RuntimeError(f"a request through the router streamed {received} tokens, not {tokens}")
+    return elapsed
 
 
 async def measure(args, addresses: dict, router_grpc: str, pids: dict[str, int]) -> None:
@@ -156,22 +163,27 @@ async def measure(args, addresses: dict, router_grpc: str, pids: dict[str, int])
     decode = DecodeSession(worker_pb2_grpc.DecodeWorkerStub(channels["decode"]), addresses["decode"])
     prefill = PrefillSession(worker_pb2_grpc.PrefillWorkerStub(channels["prefill"]), addresses["prefill"])
     direct_prefill = None if args.local_prefill else prefill
-    async with AsyncTandemClient(router_grpc) as client:
+    async with AsyncTandemClient(router_grpc, multiplex=not (args.per_call or args.forwarder)) as client:
         for i in range(50):  # warm up both paths
             await direct_once(decode, direct_prefill, addresses, f"warm-{i}", prompt, args.tokens)
             await routed_once(client, prompt, args.tokens)
         direct, routed = [], []
+        router_cpu_s = 0.0
         for i in range(args.latency_requests):
             direct.append(await direct_once(decode, direct_prefill, addresses, f"d-{i}", prompt, args.tokens))
+            before = cpu_s(pids["router"])
             routed.append(await routed_once(client, prompt, args.tokens))
+            router_cpu_s += cpu_s(pids["router"]) - before
         ms = 1000.0
         print(f"latency, concurrency 1, {args.tokens} tokens at {args.pace_ms} ms/token, "
-              f"{args.latency_requests} requests, {'local prefill on D' if args.local_prefill else 'P/D'}:")
+              f"{args.latency_requests} requests, {'local prefill on D' if args.local_prefill else 'P/D'}, "
+              f"SDK {'one Generate call per request' if args.per_call or args.forwarder else 'Multiplex stream'}:")
         print(f"  direct to workers  p50 {pct(direct, .5) * ms:7.3f} ms  p99 {pct(direct, .99) * ms:7.3f} ms")
         print(f"  through router     p50 {pct(routed, .5) * ms:7.3f} ms  p99 {pct(routed, .99) * ms:7.3f} ms")
         print(f"  added by router    p50 {(pct(routed, .5) - pct(direct, .5)) * ms:7.3f} ms  "
               f"p99 {(pct(routed, .99) - pct(direct, .99)) * ms:7.3f} ms  "
               f"(mean {(statistics.mean(routed) - statistics.mean(direct)) * ms:.3f} ms)")
+        print(f"  router CPU per request at concurrency 1: {router_cpu_s * ms / args.latency_requests:.3f} ms")
 
         queue: asyncio.Queue[int] = asyncio.Queue()
         for i in range(args.requests):
@@ -213,6 +225,9 @@ def main() -> int:
     parser.add_argument("--local-prefill", action="store_true",
                         help="the router runs with --local-prefill-max-tokens 4096 (tandem serve's default on one CPU "
                              "node): requests go to the decode worker alone")
+    parser.add_argument("--per-call", action="store_true",
+                        help="the SDK makes one Generate call per request (AsyncTandemClient(multiplex=False)) "
+                             "instead of sending all of them on its Multiplex stream")
     parser.add_argument("--forwarder", action="store_true",
                         help="measure a bare grpc.aio forwarder in the router's place (the transport's floor)")
     parser.add_argument("--serve-fakes", action="store_true", help=argparse.SUPPRESS)

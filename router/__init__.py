@@ -2,7 +2,9 @@
 
 Runs in the router process (``python -m router``); never imports torch, and of ``engine`` only
 ``engine.tokenizer``. Map: server.py (both servers on one loop) -> grpc_api.py / http_api.py
--> frontend.py (validate, tokenize, detokenize, stop strings; coalesce.py batches what arrives
-while a client is slow) -> dispatch.py (P/D pair, streaming, failover) -> registry.py
-(membership, heartbeats) + policies/. client.py is the SDK; the workers' twins are tests/router/fake_workers.py.
+-> frontend.py (validate, tokenize, detokenize, stop strings) -> dispatch.py (P/D pair,
+streaming, failover) -> session.py (one stream per worker; what arrives while a client is slow
+comes as one batch) + registry.py (membership, heartbeats) + policies/. client.py is the SDK
+(its async client multiplexes its requests on one stream); the workers' twins are
+tests/router/fake_workers.py.
 """

@@ -7,22 +7,30 @@
         for chunk in client.chat_stream([{"role": "user", "content": "Hi"}], max_tokens=32):
             print(chunk.text, end="", flush=True)
 
-``AsyncTandemClient`` has the same methods as coroutines / async iterators. Sampling keywords:
+``AsyncTandemClient`` has the same methods as coroutines / async iterators; it sends all its
+requests on one ``Tandem.Multiplex`` stream (started and cancelled requests, and the chunks of
+all of them, batched per message), or one call each with ``multiplex=False``. Sampling keywords:
 temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
 seed, max_tokens, ignore_eos, logprobs, stop (str or list), stop_token_ids. Failures raise a
 ``TandemError`` subclass carrying the gRPC status code.
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
+from protos.limits import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+from router.session import SessionStream
 
 _SAMPLING_FIELDS = {f.name for f in tandem_pb2.Sampling.DESCRIPTOR.fields}
+_STATUS = {code.value[0]: code for code in grpc.StatusCode}
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 class TandemError(Exception):
@@ -47,7 +55,11 @@ _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.UN
 
 
 def _error(exc: grpc.RpcError) -> TandemError:
-    return _ERRORS.get(exc.code(), TandemError)(exc.code(), exc.details() or "")
+    return _status_error(exc.code(), exc.details() or "")
+
+
+def _status_error(code: grpc.StatusCode, details: str) -> TandemError:
+    return _ERRORS.get(code, TandemError)(code, details)
 
 
 @dataclass(frozen=True)
@@ -172,16 +184,149 @@ class TandemClient:
         self.close()
 
 
+class _MultiplexCall:
+    """One request's events on the client's Multiplex stream."""
+
+    __slots__ = ("key", "_stream", "_ready", "_error", "_ended", "_waiter")
+
+    def __init__(self, stream: _Multiplex, key: int) -> None:
+        self.key = key
+        self._stream = stream
+        self._ready: list[tandem_pb2.MultiplexEvent] = []
+        self._error: grpc.aio.AioRpcError | None = None
+        self._ended = False
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, event: tandem_pb2.MultiplexEvent) -> bool:
+        """Queue ``event``; True when it is the request's last."""
+        self._ready.append(event)
+        self._ended = bool(event.error_code or event.chunk.finish_reason)
+        self._wake()
+        return self._ended
+
+    def cancel(self) -> None:
+        """Abort the request at the router unless it already ended."""
+        self._stream.cancel(self)
+
+    def end(self, error: grpc.aio.AioRpcError) -> None:
+        """The stream broke under the request."""
+        if not self._ended:
+            self._error, self._ended = error, True
+            self._wake()
+
+    async def take(self, deadline: float | None) -> list[tandem_pb2.MultiplexEvent]:
+        """The events that arrived since the last call (waits for one; TandemError on a break or
+        past ``deadline``, a loop time)."""
+        while not self._ready:
+            if self._error is not None:
+                raise _error(self._error)
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                if deadline is None:
+                    await waiter
+                else:
+                    await asyncio.wait_for(waiter, deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                raise TandemError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+            finally:
+                self._waiter = None
+        ready, self._ready = self._ready, []
+        return ready
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Multiplex(SessionStream):
+    """The client's one ``Tandem.Multiplex`` stream: what is started or cancelled in a turn of
+    the loop leaves in one message; a broken stream fails every request open on it and the next
+    request opens a new one (router/session.py does the batching and the breaking)."""
+
+    role = "router"
+    keyed = True
+    closed_reason = "is not used any more: the client was closed"
+
+    def __init__(self, stub: tandem_pb2_grpc.TandemStub, target: str, metadata) -> None:
+        super().__init__(stub, target)
+        self._metadata = metadata
+        self._next_key = 0
+
+    @property
+    def peer(self) -> str:
+        return f"the router at {self.address}"
+
+    def start(self, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest) -> _MultiplexCall:
+        key, self._next_key = self._next_key, self._next_key + 1
+        call = _MultiplexCall(self, key)
+        if isinstance(request, tandem_pb2.ChatRequest):
+            start = tandem_pb2.MultiplexStart(key=key, chat=request)
+        else:
+            start = tandem_pb2.MultiplexStart(key=key, completion=request)
+        self._start(key, start, call)
+        return call
+
+    def cancel(self, call: _MultiplexCall) -> None:
+        """Abort ``call`` at the router unless it already ended."""
+        if self._open_requests.get(call.key) is call:
+            del self._open_requests[call.key]
+            self._abort(call.key)
+
+    def _new_call(self):
+        return self._stub.Multiplex(metadata=self._metadata)
+
+    def _message(self, starts, aborts):
+        return tandem_pb2.MultiplexRequest(start=starts, cancel=aborts)
+
+    def _answers(self, response):
+        return response.events
+
+    def _deliver(self, target: _MultiplexCall, answer: tandem_pb2.MultiplexEvent) -> bool:
+        return target.put(answer)
+
+    def _fail(self, target: _MultiplexCall, error: grpc.aio.AioRpcError) -> None:
+        target.end(error)
+
+
 class AsyncTandemClient:
-    """asyncio client with the same methods (``await client.generate(...)``, ``async for``)."""
+    """asyncio client with the same methods (``await client.generate(...)``, ``async for``).
+    ``multiplex`` (default): every request on one stream to the router; False: a gRPC call each."""
 
     def __init__(self, target: str = "127.0.0.1:50051", api_key: str | None = None, model: str = "",
-                 timeout_s: float | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+                 timeout_s: float | None = None, multiplex: bool = True) -> None:
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = tandem_pb2_grpc.TandemStub(self._channel)
         self._metadata = _metadata(api_key)
+        self._multiplex = _Multiplex(self._stub, target, self._metadata) if multiplex else None
         self.model = model
         self.timeout_s = timeout_s
+
+    async def _multiplexed(self, request) -> AsyncIterator[Chunk]:
+        assert self._multiplex is not None
+        call = self._multiplex.start(request)
+        deadline = None if self.timeout_s is None else asyncio.get_running_loop().time() + self.timeout_s
+        try:
+            while True:
+                try:
+                    events = await call.take(deadline)
+                except TandemError as exc:
+                    if exc.code != grpc.StatusCode.UNIMPLEMENTED:
+                        raise
+                    # A server without Multiplex (an older router): nothing ran; a call per request from now on.
+                    self._multiplex = None
+                    method = self._stub.Chat if isinstance(request, tandem_pb2.ChatRequest) else self._stub.Generate
+                    async for chunk in self._stream(method, request):
+                        yield chunk
+                    return
+                for event in events:
+                    if event.error_code:
+                        raise _status_error(_STATUS.get(event.error_code, grpc.StatusCode.UNKNOWN), event.error)
+                    yield _chunk(event.chunk)
+                    if event.chunk.finish_reason:
+                        return
+        finally:
+            call.cancel()   # no-op when it ended; aborts it if the caller stopped early
 
     async def _stream(self, method, request) -> AsyncIterator[Chunk]:
         call = method(request, metadata=self._metadata, timeout=self.timeout_s)
@@ -194,13 +339,19 @@ class AsyncTandemClient:
             call.cancel()
 
     def generate_stream(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
-        return self._stream(self._stub.Generate, _completion_request(prompt, self.model, request_id, sampling))
+        request = _completion_request(prompt, self.model, request_id, sampling)
+        if self._multiplex is not None:
+            return self._multiplexed(request)
+        return self._stream(self._stub.Generate, request)
 
     async def generate(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> Completion:
         return _join([c async for c in self.generate_stream(prompt, request_id, **sampling)])
 
     def chat_stream(self, messages: Sequence[dict], request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
-        return self._stream(self._stub.Chat, _chat_request(messages, self.model, request_id, sampling))
+        request = _chat_request(messages, self.model, request_id, sampling)
+        if self._multiplex is not None:
+            return self._multiplexed(request)
+        return self._stream(self._stub.Chat, request)
 
     async def chat(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Completion:
         return _join([c async for c in self.chat_stream(messages, request_id, **sampling)])
@@ -218,6 +369,8 @@ class AsyncTandemClient:
         return list((await self._unary(self._stub.GetCluster, tandem_pb2.GetClusterRequest())).workers)
 
     async def close(self) -> None:
+        if self._multiplex is not None:
+            await self._multiplex.close()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncTandemClient:

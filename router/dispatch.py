@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -104,7 +104,7 @@ class Dispatcher:
     # -- public -----------------------------------------------------------------------------
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: worker_pb2.SamplingParams) -> AsyncIterator[TokenEvent]:
+                       sampling: worker_pb2.SamplingParams) -> AsyncGenerator[TokenEvent, None]:
         """Stream the request's tokens; raises RouterError when it cannot complete. ``request_id``
         is the client's label; the workers get a unique id made from it."""
         progress = _Progress(list(prompt_token_ids),
@@ -123,9 +123,16 @@ class Dispatcher:
                     await self._wait_for_workers(("decode",) if self._local(progress) else ROLES)
                 attempt = self._start(attempt_id, progress, sampling, avoid)
                 try:
-                    async for response in attempt.call:
-                        # One event per message, however many tokens (engine steps) it carries.
-                        token_ids = list(response.token_ids)
+                    while responses := await attempt.call.take():
+                        # One event for every message that came since the last (one per engine
+                        # step while the caller keeps up; more when it is busy).
+                        response = responses[-1]
+                        if len(responses) == 1:
+                            token_ids = list(response.token_ids)
+                            logprobs = list(response.logprobs)
+                        else:
+                            token_ids = [t for r in responses for t in r.token_ids]
+                            logprobs = [lp for r in responses for lp in r.logprobs]
                         finish_reason = response.finish_reason
                         if token_ids and waiting:
                             waiting = False
@@ -134,7 +141,7 @@ class Dispatcher:
                             attempt.streamed = True
                             self._prefill_done(attempt)
                         progress.output_token_ids += token_ids
-                        event = TokenEvent(token_ids, list(response.logprobs) if response.logprobs else [])
+                        event = TokenEvent(token_ids, logprobs)
                         if finish_reason:
                             attempt.finished = True
                             event.finish_reason = finish_reason

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 import jinja2
@@ -22,7 +22,6 @@ from engine.tokenizer import Tokenizer
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router import errors
-from router.coalesce import Coalescer
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.metrics import RouterMetrics
@@ -159,22 +158,17 @@ class Frontend:
 
     # -- streaming --------------------------------------------------------------------------
 
-    async def stream(self, request: PreparedRequest) -> AsyncIterator[TextChunk]:
-        """One chunk per batch of decode messages: every token that arrived while the previous
-        chunk was being written goes out in the next one (router.coalesce)."""
+    async def stream(self, request: PreparedRequest) -> AsyncGenerator[TextChunk, None]:
+        """One chunk per dispatcher event: every token that arrived while the previous chunk was
+        being written goes out in the next one (the decode session holds them: SessionCall.take)."""
         text = TextStream(self.tokenizer, request.stop)
         start_s = last_s = first_s = time.perf_counter()
         num_output_tokens = 0
-        batches = Coalescer(self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params))
+        events = self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params)
         self.metrics.running.inc()
         try:
-            while batch := await batches.take():
-                last = batch[-1]
-                if len(batch) == 1:
-                    token_ids, logprobs = last.token_ids, last.logprobs
-                else:
-                    token_ids = [t for event in batch for t in event.token_ids]
-                    logprobs = [lp for event in batch for lp in event.logprobs]
+            async for last in events:
+                token_ids, logprobs = last.token_ids, last.logprobs
                 now_s = time.perf_counter()
                 if token_ids:
                     (self.metrics.ttft if num_output_tokens == 0 else self.metrics.itl).observe(now_s - last_s)
@@ -199,7 +193,7 @@ class Frontend:
             raise
         finally:
             self.metrics.running.dec()
-            await batches.close()
+            await events.aclose()   # an unfinished request is aborted at its workers
 
     def _count_finish(self, finish: str, usage: Usage, latency_s: float) -> None:
         self.metrics.requests.labels(finish).inc()

@@ -4,15 +4,26 @@ A bad request ends with INVALID_ARGUMENT (or the RouterError's code) before any 
 sent; templating and tokenizing run off the event loop like on HTTP; anything unexpected is
 logged and ends as INTERNAL, never a dropped stream.
 
+``Multiplex`` carries many requests on one stream (``Multiplexed``, the async SDK's transport):
+each runs as on Generate or Chat, on a task of its own, and the events of all of them that are
+ready in the same turn of the loop leave in one message -- at concurrency 64, one message per
+decode step instead of one per request. A request waits for its previous event to be written
+before it takes the next tokens, so a slow client coalesces tokens per request
+(router/coalesce.py) instead of queueing chunks here. A bad request fails its key alone, with
+the status Generate would end with; a key already open or bytes that are no message end the
+stream with INVALID_ARGUMENT. However the stream ends (done, the client cancelled it, the
+connection dropped), every request still open on it is aborted at the workers.
+
 Also the API-key interceptor: with a key set, every Tandem call needs metadata
 ``authorization: Bearer KEY`` (health and reflection stay open, as load balancers expect).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -28,7 +39,15 @@ INLINE_CHARS = 4 << 10   # smaller requests are tokenized on the loop (cheaper t
 
 
 def chunk_to_proto(request_id: str, chunk: TextChunk) -> tandem_pb2.CompletionChunk:
-    msg = tandem_pb2.CompletionChunk(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids)
+    msg = tandem_pb2.CompletionChunk()
+    fill_chunk(msg, request_id, chunk)
+    return msg
+
+
+def fill_chunk(msg: tandem_pb2.CompletionChunk, request_id: str, chunk: TextChunk) -> None:
+    msg.request_id = request_id
+    msg.text = chunk.text
+    msg.token_ids.extend(chunk.token_ids)
     for lp in chunk.logprobs:
         msg.logprobs.append(tandem_pb2.TokenLogprob(
             token_id=lp.token_id, logprob=lp.logprob,
@@ -36,9 +55,10 @@ def chunk_to_proto(request_id: str, chunk: TextChunk) -> tandem_pb2.CompletionCh
     if chunk.finish_reason:
         msg.finish_reason = chunk.finish_reason
         u = chunk.usage
-        msg.usage.CopyFrom(tandem_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                                            cached_tokens=u.cached_tokens))
-    return msg
+        assert u is not None   # the last chunk carries usage
+        msg.usage.prompt_tokens = u.prompt_tokens
+        msg.usage.completion_tokens = u.completion_tokens
+        msg.usage.cached_tokens = u.cached_tokens
 
 
 class Undecodable:
@@ -51,12 +71,13 @@ class Undecodable:
 class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
     """Hands a Tandem method an ``Undecodable`` for bytes protobuf cannot parse (a string field
     that is not UTF-8, a truncated message), so the servicer answers INVALID_ARGUMENT where
-    grpc would say UNKNOWN. Only the deserializer is wrapped: nothing is added per message."""
+    grpc would say UNKNOWN (Multiplex: in place of the bad message on the stream). Only the
+    deserializer is wrapped: nothing is added per message."""
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
                                 details: grpc.HandlerCallDetails):
         handler = await continuation(details)
-        if (handler is None or handler.request_streaming or handler.request_deserializer is None
+        if (handler is None or handler.request_deserializer is None
                 or not details.method.startswith(f"/{SERVICE_NAME}/")):
             return handler
         parse = handler.request_deserializer
@@ -78,36 +99,48 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    async def _stream(self, prepare: Callable[[], PreparedRequest], num_chars: int,
-                      context: grpc.aio.ServicerContext):
+    async def prepare(self, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest) -> PreparedRequest:
+        """Validate, template, tokenize (off the loop when large) and admit; raises RouterError."""
+        frontend = self.frontend
+        if isinstance(request, tandem_pb2.ChatRequest):
+            def prepare() -> PreparedRequest:
+                frontend.check_model(request.model)
+                messages = [{"role": m.role, "content": m.content} for m in request.messages]
+                return frontend.prepare_chat(messages, request.sampling, request.request_id)
+            num_chars = sum(len(m.content) for m in request.messages)
+        else:
+            def prepare() -> PreparedRequest:
+                frontend.check_model(request.model)
+                return frontend.prepare_prompt(request.prompt, request.prompt_token_ids, request.sampling,
+                                               request.request_id, default_max_tokens=16)
+            num_chars = len(request.prompt) + len(request.prompt_token_ids)
+        prepared = prepare() if num_chars <= INLINE_CHARS else await asyncio.to_thread(prepare)
+        frontend.admit()
+        return prepared
+
+    async def _stream(self, request, context: grpc.aio.ServicerContext):
+        await _refuse_undecodable(request, context)
         try:
-            request = prepare() if num_chars <= INLINE_CHARS else await asyncio.to_thread(prepare)
-            self.frontend.admit()
-            async for chunk in self.frontend.stream(request):
-                yield chunk_to_proto(request.request_id, chunk)
+            prepared = await self.prepare(request)
+            async for chunk in self.frontend.stream(prepared):
+                yield chunk_to_proto(prepared.request_id, chunk)
         except errors.RouterError as exc:
             await context.abort(exc.grpc_code, exc.message)
         except Exception:  # noqa: BLE001 - a clean status instead of a dropped stream
             logger.exception("unexpected error in %s", type(self).__name__)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")
 
-    async def Generate(self, request: tandem_pb2.CompletionRequest, context):
-        await _refuse_undecodable(request, context)
-        def prepare() -> PreparedRequest:
-            self.frontend.check_model(request.model)
-            return self.frontend.prepare_prompt(request.prompt, request.prompt_token_ids, request.sampling,
-                                                request.request_id, default_max_tokens=16)
-        async for msg in self._stream(prepare, len(request.prompt) + len(request.prompt_token_ids), context):
-            yield msg
+    # Async generator functions themselves (grpc.aio tells a streaming handler by that).
+    Generate = _stream
+    Chat = _stream
 
-    async def Chat(self, request: tandem_pb2.ChatRequest, context):
-        await _refuse_undecodable(request, context)
-        def prepare() -> PreparedRequest:
-            self.frontend.check_model(request.model)
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            return self.frontend.prepare_chat(messages, request.sampling, request.request_id)
-        async for msg in self._stream(prepare, sum(len(m.content) for m in request.messages), context):
-            yield msg
+    async def Multiplex(self, request_iterator, context):
+        mux = Multiplexed(self)
+        try:
+            async for response in mux.serve(request_iterator):
+                yield response
+        except errors.RouterError as exc:
+            await context.abort(exc.grpc_code, exc.message)
 
     async def ListModels(self, request, context):
         return tandem_pb2.ListModelsResponse(models=[tandem_pb2.ModelInfo(
@@ -116,6 +149,123 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     async def GetCluster(self, request, context):
         return tandem_pb2.GetClusterResponse(workers=[tandem_pb2.WorkerStatus(**w)
                                                       for w in cluster_view(self.frontend.registry)])
+
+
+class Multiplexed:
+    """The requests of one Multiplex stream (see the module docstring); ``serve`` is the handler."""
+
+    def __init__(self, servicer: TandemServicer) -> None:
+        self._servicer = servicer
+        self._open: dict[int, asyncio.Task] = {}
+        # (key, request_id, chunk, status, error): a chunk, or a failure when chunk is None
+        self._events: list[tuple[int, str, TextChunk | None, grpc.StatusCode | None, str]] = []
+        self._written = asyncio.get_running_loop().create_future()   # resolved once the queued events are written
+        self._waiter: asyncio.Future | None = None
+        self._reading = True
+        self._error: errors.RouterError | None = None
+
+    async def serve(self, requests: AsyncIterator) -> AsyncIterator[tandem_pb2.MultiplexResponse]:
+        loop = asyncio.get_running_loop()
+        reader = loop.create_task(self._read(requests))
+        try:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if not self._events:
+                    if not self._reading and not self._open:
+                        return
+                    self._waiter = loop.create_future()
+                    await self._waiter
+                    continue
+                events, written = self._events, self._written
+                self._events, self._written = [], loop.create_future()
+                response = tandem_pb2.MultiplexResponse()
+                for key, request_id, chunk, code, error in events:
+                    event = response.events.add()
+                    event.key = key
+                    if chunk is not None:
+                        fill_chunk(event.chunk, request_id, chunk)
+                    else:
+                        assert code is not None
+                        event.error_code, event.error = code.value[0], error
+                yield response
+                written.set_result(None)
+        finally:
+            tasks = [reader, *self._open.values()]
+            self._open.clear()
+            for task in tasks:
+                task.cancel()     # a request still open is aborted at its workers
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator) -> None:
+        try:
+            async for message in requests:
+                if isinstance(message, Undecodable):
+                    raise errors.invalid_request(f"a Multiplex message is not a valid message: {message.reason}")
+                for start in message.start:
+                    self._start(start)
+                for key in message.cancel:
+                    task = self._open.pop(key, None)
+                    if task is not None:
+                        task.cancel()
+        except errors.RouterError as exc:
+            self._error = exc
+        finally:
+            self._reading = False
+            self._wake()
+
+    def _start(self, start: tandem_pb2.MultiplexStart) -> None:
+        key = start.key
+        if key in self._open:
+            raise errors.invalid_request(f"key {key} is already open on this Multiplex stream", "key")
+        which = start.WhichOneof("request")
+        if which is None:
+            self._fail(key, grpc.StatusCode.INVALID_ARGUMENT, "a start needs a completion or a chat request")
+            return
+        task = asyncio.get_running_loop().create_task(self._run(key, getattr(start, which)))
+        self._open[key] = task
+        task.add_done_callback(lambda task: self._task_done(key, task))
+
+    async def _run(self, key: int, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest) -> None:
+        try:
+            prepared = await self._servicer.prepare(request)
+            # aclosing: a cancel while this waits for a write still aborts the request at once.
+            async with contextlib.aclosing(self._servicer.frontend.stream(prepared)) as chunks:
+                async for chunk in chunks:
+                    self._events.append((key, prepared.request_id, chunk, None, ""))
+                    self._wake()
+                    if chunk.finish_reason:
+                        self._forget(key)   # the key is free as soon as its last event is queued
+                        return
+                    # The next tokens wait until this chunk is out: a slow client gets them coalesced.
+                    await asyncio.shield(self._written)
+        except errors.RouterError as exc:
+            self._fail(key, exc.grpc_code, exc.message)
+        except Exception:  # noqa: BLE001 - a clean status for this key instead of a dropped stream
+            logger.exception("unexpected error in a Multiplex request")
+            self._fail(key, grpc.StatusCode.INTERNAL, "internal error")
+
+    def _fail(self, key: int, code: grpc.StatusCode, error: str) -> None:
+        self._events.append((key, "", None, code, error))
+        self._forget(key)
+        self._wake()
+
+    def _forget(self, key: int) -> None:
+        if self._open.get(key) is asyncio.current_task():
+            del self._open[key]
+
+    def _task_done(self, key: int, task: asyncio.Task) -> None:
+        if self._open.get(key) is task:
+            # Ended without a last event and not by the client's cancel: a cancellation from
+            # inside (a worker call cancelled under it). The client still hears of it.
+            del self._open[key]
+            self._events.append((key, "", None, grpc.StatusCode.CANCELLED, "the request was cancelled"))
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
@@ -135,6 +285,12 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
         self._deny_stream = grpc.unary_stream_rpc_method_handler(deny_stream)
 
+        async def deny_multiplex(requests, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, errors.unauthorized().message)
+            yield  # pragma: no cover - makes this an async generator
+
+        self._deny_multiplex = grpc.stream_stream_rpc_method_handler(deny_multiplex)
+
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable],
                                 details: grpc.HandlerCallDetails):
         if not details.method.startswith(f"/{SERVICE_NAME}/"):
@@ -143,4 +299,6 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         given = given.encode() if isinstance(given, str) else given
         if hmac.compare_digest(given, self._expected):
             return await continuation(details)
+        if details.method.endswith("/Multiplex"):
+            return self._deny_multiplex
         return self._deny_stream if details.method.endswith(("/Generate", "/Chat")) else self._deny_unary

@@ -74,18 +74,25 @@ class _Outbox:
         return messages
 
 
-class _Session:
-    """One worker's stream: batches what is started and aborted per turn of the loop, reads the
+class SessionStream:
+    """One peer's stream: batches what is started and aborted per turn of the loop, reads the
     answers on a task, and fails everything open when the stream breaks. Subclasses name the
-    messages and route each answer to its request."""
+    messages and route each answer to its request (the SDK's multiplexed stream to the router,
+    router/client.py, is one too)."""
 
     role = ""
+    keyed = False                       # answers name their request by .key (else .request_id)
+    closed_reason = "was removed"       # why requests fail after close()
+
+    @property
+    def peer(self) -> str:
+        return f"{self.role} worker {self.address}"
 
     def __init__(self, stub: Any, address: str) -> None:
         self._stub = stub
         self.address = address
         self._call: Any = None                # the open stream-stream call, or None
-        self._open_requests: dict[str, Any] = {}
+        self._open_requests: dict[Any, Any] = {}
         self._starts: list[Any] = []
         self._aborts: list[str] = []
         self._flush_scheduled = False
@@ -100,10 +107,13 @@ class _Session:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def _removed(self) -> grpc.aio.AioRpcError:
-        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} was removed")
+        return rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.peer} {self.closed_reason}")
 
     # -- for subclasses ------------------------------------------------------------------
-    def _message(self, starts: list[Any], aborts: list[str]) -> Any:
+    def _new_call(self) -> Any:
+        return self._stub.Session()
+
+    def _message(self, starts: list[Any], aborts: list[Any]) -> Any:
         raise NotImplementedError
 
     def _answers(self, response: Any) -> Any:
@@ -116,7 +126,7 @@ class _Session:
     def _fail(self, target: Any, error: grpc.aio.AioRpcError) -> None:
         raise NotImplementedError
 
-    def _start(self, request_id: str, request: Any, target: Any) -> bool:
+    def _start(self, request_id: Any, request: Any, target: Any) -> bool:
         """Queue ``request``; False (``target`` already failed) when the session is closed."""
         if self._closed:
             self._fail(target, self._removed())
@@ -128,7 +138,7 @@ class _Session:
         self._schedule_flush()
         return True
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: Any) -> None:
         if self._closed:
             return
         if self._call is None:
@@ -164,7 +174,7 @@ class _Session:
             outbox.put(self._message(batch, aborts))
 
     def _open(self) -> None:
-        call = self._call = self._stub.Session()
+        call = self._call = self._new_call()
         outbox = self._outbox = _Outbox()
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._write(call, outbox)), loop.create_task(self._read(call))]
@@ -195,14 +205,15 @@ class _Session:
         try:
             async for response in call:
                 for answer in self._answers(response):
-                    target = open_requests.get(answer.request_id)
+                    key = answer.key if self.keyed else answer.request_id
+                    target = open_requests.get(key)
                     if target is not None and self._deliver(target, answer):
-                        del open_requests[answer.request_id]
-            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker {self.address} ended the session")
+                        del open_requests[key]
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"{self.peer} ended the session")
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
-            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session to {self.role} worker {self.address} closed")
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, f"the session to {self.peer} closed")
         if self._call is call:
             self._broken(error)
 
@@ -239,19 +250,35 @@ class SessionCall:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
+        if not await self._wait_ready():
+            raise StopAsyncIteration
+        return self._ready.pop(0)
+
+    async def take(self) -> list[worker_pb2.GenerateResponse]:
+        """Every message that arrived since the last call (waits for one); [] once the request
+        ended. What piled up while the caller was busy (writing to a slow client) comes as one
+        batch: the router coalesces a request's tokens here."""
+        if not await self._wait_ready():
+            return []
+        ready, self._ready = self._ready, []
+        return ready
+
+    async def _wait_ready(self) -> bool:
+        """Until a message is ready (True) or the request ended (False); raises its error, or
+        CancelledError once cancelled."""
         while not self._ready:
             if self._cancelled:
                 raise asyncio.CancelledError()
             if self._error is not None:
                 raise self._error
             if self._ended:
-                raise StopAsyncIteration
+                return False
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._ready.pop(0)
+        return True
 
     def done(self) -> bool:
         return self._ended or self._cancelled
@@ -288,7 +315,7 @@ class SessionCall:
             waiter.set_result(None)
 
 
-class DecodeSession(_Session):
+class DecodeSession(SessionStream):
     """The router's stream to one decode worker (``stub``: its DecodeWorker stub, secret included)."""
 
     role = "decode"
@@ -318,7 +345,7 @@ class DecodeSession(_Session):
         target._end(error)
 
 
-class PrefillSession(_Session):
+class PrefillSession(SessionStream):
     """The router's stream to one prefill worker (``stub``: its PrefillWorker stub, secret included)."""
 
     role = "prefill"

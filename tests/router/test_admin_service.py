@@ -28,7 +28,7 @@ def run(loop_thread, tokenizer, body, **router_options):
 
 def test_the_public_service_has_no_membership_rpcs(loop_thread, tokenizer):
     public = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"]
-    assert sorted(m.name for m in public.methods) == ["Chat", "Generate", "GetCluster", "ListModels"]
+    assert sorted(m.name for m in public.methods) == ["Chat", "Generate", "GetCluster", "ListModels", "Multiplex"]
     assert not hasattr(tandem_pb2, "RegisterWorkerRequest")
 
     async def body(cluster, extra, channel):

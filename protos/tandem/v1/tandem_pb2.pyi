@@ -197,3 +197,39 @@ class GetClusterResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class MultiplexStart(_message.Message):
+    __slots__ = ("key", "completion", "chat")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    completion: CompletionRequest
+    chat: ChatRequest
+    def __init__(self, key: _Optional[int] = ..., completion: _Optional[_Union[CompletionRequest, _Mapping]] = ..., chat: _Optional[_Union[ChatRequest, _Mapping]] = ...) -> None: ...
+
+class MultiplexRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: _containers.RepeatedCompositeFieldContainer[MultiplexStart]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, start: _Optional[_Iterable[_Union[MultiplexStart, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class MultiplexEvent(_message.Message):
+    __slots__ = ("key", "chunk", "error_code", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    chunk: CompletionChunk
+    error_code: int
+    error: str
+    def __init__(self, key: _Optional[int] = ..., chunk: _Optional[_Union[CompletionChunk, _Mapping]] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class MultiplexResponse(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[MultiplexEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[MultiplexEvent, _Mapping]]] = ...) -> None: ...

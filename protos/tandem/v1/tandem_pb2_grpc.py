@@ -44,6 +44,11 @@ class TandemStub:
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.ChatRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_tandem__pb2.CompletionChunk.FromString,
                 _registered_method=True)
+        self.Multiplex = channel.stream_stream(
+                '/tandem.v1.Tandem/Multiplex',
+                request_serializer=tandem_dot_v1_dot_tandem__pb2.MultiplexRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_tandem__pb2.MultiplexResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tandem.v1.Tandem/ListModels',
                 request_serializer=tandem_dot_v1_dot_tandem__pb2.ListModelsRequest.SerializeToString,
@@ -67,6 +72,14 @@ class TandemServicer:
 
     def Chat(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Multiplex(self, request_iterator, context):
+        """A key already open on the stream or bytes that are no message end the whole stream with
+        INVALID_ARGUMENT; a bad request fails that key alone.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -95,6 +108,11 @@ def add_TandemServicer_to_server(servicer, server):
                     servicer.Chat,
                     request_deserializer=tandem_dot_v1_dot_tandem__pb2.ChatRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_tandem__pb2.CompletionChunk.SerializeToString,
+            ),
+            'Multiplex': grpc.stream_stream_rpc_method_handler(
+                    servicer.Multiplex,
+                    request_deserializer=tandem_dot_v1_dot_tandem__pb2.MultiplexRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_tandem__pb2.MultiplexResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -161,6 +179,33 @@ class Tandem:
             '/tandem.v1.Tandem/Chat',
             tandem_dot_v1_dot_tandem__pb2.ChatRequest.SerializeToString,
             tandem_dot_v1_dot_tandem__pb2.CompletionChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Multiplex(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Tandem/Multiplex',
+            tandem_dot_v1_dot_tandem__pb2.MultiplexRequest.SerializeToString,
+            tandem_dot_v1_dot_tandem__pb2.MultiplexResponse.FromString,
             options,
             channel_credentials,
             insecure,
