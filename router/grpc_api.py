@@ -8,8 +8,8 @@ logged and ends as INTERNAL, never a dropped stream.
 each runs as on Generate or Chat, on a task of its own, and the events of all of them that are
 ready in the same turn of the loop leave in one message -- at concurrency 64, one message per
 decode step instead of one per request. A request waits for its previous event to be written
-before it takes the next tokens, so a slow client coalesces tokens per request
-(router/coalesce.py) instead of queueing chunks here. A bad request fails its key alone, with
+before it takes the next tokens, so a slow client gets its tokens coalesced per request
+(``SessionCall.take``, router/session.py) instead of chunks queued here. A bad request fails its key alone, with
 the status Generate would end with; a key already open or bytes that are no message end the
 stream with INVALID_ARGUMENT. However the stream ends (done, the client cancelled it, the
 connection dropped), every request still open on it is aborted at the workers.
