@@ -199,8 +199,11 @@ def _mem_available() -> int | None:
     return None
 
 
-def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], num_workers: int) -> None:
-    """On a one-node CPU cluster: every worker's weights and KV pool must fit this machine."""
+def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], num_workers: int,
+                     model_path: Path | None = None) -> None:
+    """On a one-node CPU cluster: every worker's weights and KV pool must fit this machine (a
+    GGUF model's quantized blocks too, which workers keep beside the dense weights with
+    --gguf-kernels auto)."""
     from deploy.plan import Workload, make_plan
 
     dtype = resolve_dtype(args.dtype, on_cuda=False)
@@ -216,14 +219,19 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
                          f"lower --max-model-len or raise --kv-cache-memory to at least "
                          f"{per_token * plan.max_model_len / 2**30:.2f} GiB")
     kv = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_BYTES
-    need = num_workers * (plan.weight_bytes_per_gpu + kv)
+    blocks = 0
+    if model_path is not None and model_path.suffix == ".gguf" and args.gguf_kernels == "auto" and tp["decode"] == 1:
+        from engine.gguf_file import GGUFFile
+        blocks = GGUFFile(model_path).kernel_block_bytes()
+    need = num_workers * (plan.weight_bytes_per_gpu + blocks + kv)
     available = _mem_available()
     if available is not None and need > available:
+        quantized = f" + {blocks / 2**30:.2f} GiB GGUF blocks" if blocks else ""
         raise ServeError(f"{num_workers} worker processes need {need / 2**30:.1f} GiB "
-                         f"({plan.weight_bytes_per_gpu / 2**30:.2f} GiB weights + {kv / 2**30:.2f} GiB KV pool each) "
-                         f"but this machine has "
+                         f"({plan.weight_bytes_per_gpu / 2**30:.2f} GiB weights{quantized} + {kv / 2**30:.2f} GiB "
+                         f"KV pool each) but this machine has "
                          f"{available / 2**30:.1f} GiB available: use fewer replicas (--prefill/--decode), "
-                         f"--dtype bfloat16, or a smaller --kv-cache-memory")
+                         f"--dtype bfloat16, {'--gguf-kernels off, ' if blocks else ''}or a smaller --kv-cache-memory")
     shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
     if args.shared_memory and shm is not None and num_workers * kv > shm:
         raise ServeError(f"{num_workers} KV pools of {kv / 2**30:.2f} GiB need "
@@ -338,7 +346,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
     alive_nodes = [n for n in ray.nodes() if n["Alive"]]
     local_prefill = local_prefill_max_tokens(args.local_prefill_max_tokens, use_gpu, len(alive_nodes))
     if not use_gpu and len(alive_nodes) == 1:
-        check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"])
+        check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"], model_path)
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
                     "--local-prefill-max-tokens", str(local_prefill),

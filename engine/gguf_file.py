@@ -22,6 +22,10 @@ _STRING, _ARRAY, _BOOL = 8, 9, 7
 _TYPECODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _MAX_ARRAY_LEN = 1 << 26
+# GGML type id -> (name, weights per block, bytes per block): the types the quantized linear
+# kernel reads (engine/models/quant_linear.py).
+QTYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
+          14: ("Q6_K", 256, 210)}
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,11 @@ class GGUFFile:
             data = self._buf[start:end].reshape(*shape[:-1], row_nbytes)
             tensors.append(GGUFTensor(name, shape, type_id, data))
         return tensors
+
+    def kernel_block_bytes(self) -> int:
+        """Bytes of the matrices stored in a type the quantized linear kernel reads: what a CPU
+        worker keeps beside its dense weights with --gguf-kernels auto (``Checkpoint.quantized_weights``)."""
+        return sum(t.data.nbytes for t in self.tensors if t.tensor_type in QTYPES and len(t.shape) == 2)
 
     def dequantize(self, tensor: GGUFTensor) -> Any:
         """The tensor as float32 in its numpy shape."""

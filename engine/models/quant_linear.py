@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from engine.attention.cpu_kernels import CSRC, KernelBuildError, build, cache_dir
+from engine.gguf_file import QTYPES
 
 if TYPE_CHECKING:
     from engine.models.layers import PackedLinear
@@ -32,9 +33,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "quant_linear.c"
 ABI_VERSION = 1
-# GGML type id -> (name, weights per block, bytes per block): the types the kernel reads.
-QTYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144),
-          14: ("Q6_K", 256, 210)}
 TUNE_BATCHES = (1, 4, 16, 32, 64)
 TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}

@@ -69,6 +69,25 @@ def test_weights_that_do_not_fit_this_machine_are_refused(monkeypatch):
         serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
 
 
+def test_the_memory_check_counts_the_gguf_blocks_workers_keep_beside_the_dense_weights(monkeypatch):
+    from engine.gguf_file import QTYPES, GGUFFile
+
+    args = parse("--dtype", "float32")
+    arch, path = serve.check_model(args, {"prefill": 1, "decode": 1})
+    gguf = GGUFFile(path)
+    blocks = gguf.kernel_block_bytes()
+    # SmolLM2's GGUF: every linear Q4_1 and the tied embedding Q8_0, ~96 MB, the kernel reads all of them.
+    assert blocks == sum(t.data.nbytes for t in gguf.tensors if len(t.shape) == 2) and 90e6 < blocks < 100e6
+    assert {t.tensor_type for t in gguf.tensors if len(t.shape) == 2} <= set(QTYPES)
+    weights, kv = arch.num_params * 4, 1 << 30      # float32 weights, the default 1 GiB KV pool
+    monkeypatch.setattr(serve, "_mem_available", lambda: 2 * (weights + kv) + blocks)   # fits without the blocks
+    with pytest.raises(ValueError, match=r"\(0\.50 GiB weights \+ 0\.09 GiB GGUF blocks \+ 1\.00 GiB KV pool each\) "
+                                         r".*--gguf-kernels off, or a smaller --kv-cache-memory"):
+        serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2, path)
+    serve.check_cpu_memory(arch, parse("--dtype", "float32", "--gguf-kernels", "off"), {"prefill": 1, "decode": 1}, 2,
+                           path)
+
+
 def test_cli_startup_errors_exit_2_before_touching_ray():
     done = run_cli("serve", "--tp", "2")
     assert done.returncode == 2
