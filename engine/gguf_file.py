@@ -160,10 +160,14 @@ class GGUFFile:
             tensors.append(GGUFTensor(name, shape, type_id, data))
         return tensors
 
+    def kernel_tensors(self) -> list[GGUFTensor]:
+        """The matrices stored in a type the quantized linear kernel reads (QTYPES)."""
+        return [t for t in self.tensors if t.tensor_type in QTYPES and len(t.shape) == 2]
+
     def kernel_block_bytes(self) -> int:
-        """Bytes of the matrices stored in a type the quantized linear kernel reads: what a CPU
-        worker keeps beside its dense weights with --gguf-kernels auto (``Checkpoint.quantized_weights``)."""
-        return sum(t.data.nbytes for t in self.tensors if t.tensor_type in QTYPES and len(t.shape) == 2)
+        """Their bytes: what a CPU worker keeps beside its dense weights with --gguf-kernels auto
+        (``Checkpoint.quantized_weights``)."""
+        return sum(t.data.nbytes for t in self.kernel_tensors())
 
     def dequantize(self, tensor: GGUFTensor) -> Any:
         """The tensor as float32 in its numpy shape."""

@@ -17,7 +17,7 @@ from engine.model_source import ModelSource, load_arch, resolve_model  # noqa: F
 from engine.models.arch import (
     ArchConfig,
 )
-from engine.models.quant_linear import QTYPES, QuantizedWeight
+from engine.models.quant_linear import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ class Checkpoint:
         if gguf is None:
             return {}
         found = {}
-        for tensor in gguf.tensors:
+        for tensor in gguf.kernel_tensors():
             name = _gguf_to_hf_name(tensor.name)
-            if name is None or tensor.tensor_type not in QTYPES or len(tensor.shape) != 2:
+            if name is None:
                 continue
             blocks = _hf_row_order(gguf, self.arch, name, np.asarray(tensor.data))
             found[name] = QuantizedWeight.from_blocks(tensor.tensor_type, blocks, tensor.shape[1])

@@ -25,10 +25,9 @@ import grpc
 
 from protos.limits import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from router.session import SessionStream
+from router.session import PendingMessages, SessionStream, refusal
 
 _SAMPLING_FIELDS = {f.name for f in tandem_pb2.Sampling.DESCRIPTOR.fields}
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
@@ -55,11 +54,7 @@ _ERRORS = {grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument, grpc.StatusCode.UN
 
 
 def _error(exc: grpc.RpcError) -> TandemError:
-    return _status_error(exc.code(), exc.details() or "")
-
-
-def _status_error(code: grpc.StatusCode, details: str) -> TandemError:
-    return _ERRORS.get(code, TandemError)(code, details)
+    return _ERRORS.get(exc.code(), TandemError)(exc.code(), exc.details() or "")
 
 
 @dataclass(frozen=True)
@@ -184,59 +179,29 @@ class TandemClient:
         self.close()
 
 
-class _MultiplexCall:
-    """One request's events on the client's Multiplex stream."""
+class _MultiplexCall(PendingMessages):
+    """One request's chunks on the client's Multiplex stream (``take()`` hands them over)."""
 
-    __slots__ = ("key", "_stream", "_ready", "_error", "_ended", "_waiter")
+    __slots__ = ("key", "_stream")
 
     def __init__(self, stream: _Multiplex, key: int) -> None:
+        super().__init__()
         self.key = key
         self._stream = stream
-        self._ready: list[tandem_pb2.MultiplexEvent] = []
-        self._error: grpc.aio.AioRpcError | None = None
-        self._ended = False
-        self._waiter: asyncio.Future | None = None
 
     def put(self, event: tandem_pb2.MultiplexEvent) -> bool:
-        """Queue ``event``; True when it is the request's last."""
-        self._ready.append(event)
-        self._ended = bool(event.error_code or event.chunk.finish_reason)
-        self._wake()
+        """Deliver ``event``; True when it is the request's last (its finish or its error)."""
+        if event.error_code:
+            self._end(refusal(event.error_code, event.error))
+        else:
+            self._ready.append(event.chunk)
+            self._ended = bool(event.chunk.finish_reason)
+            self._wake()
         return self._ended
 
     def cancel(self) -> None:
         """Abort the request at the router unless it already ended."""
         self._stream.cancel(self)
-
-    def end(self, error: grpc.aio.AioRpcError) -> None:
-        """The stream broke under the request."""
-        if not self._ended:
-            self._error, self._ended = error, True
-            self._wake()
-
-    async def take(self, deadline: float | None) -> list[tandem_pb2.MultiplexEvent]:
-        """The events that arrived since the last call (waits for one; TandemError on a break or
-        past ``deadline``, a loop time)."""
-        while not self._ready:
-            if self._error is not None:
-                raise _error(self._error)
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                if deadline is None:
-                    await waiter
-                else:
-                    await asyncio.wait_for(waiter, deadline - asyncio.get_running_loop().time())
-            except asyncio.TimeoutError:
-                raise TandemError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
-            finally:
-                self._waiter = None
-        ready, self._ready = self._ready, []
-        return ready
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class _Multiplex(SessionStream):
@@ -286,7 +251,7 @@ class _Multiplex(SessionStream):
         return target.put(answer)
 
     def _fail(self, target: _MultiplexCall, error: grpc.aio.AioRpcError) -> None:
-        target.end(error)
+        target._end(error)
 
 
 class AsyncTandemClient:
@@ -309,22 +274,22 @@ class AsyncTandemClient:
         try:
             while True:
                 try:
-                    events = await call.take(deadline)
-                except TandemError as exc:
-                    if exc.code != grpc.StatusCode.UNIMPLEMENTED:
-                        raise
+                    chunks = await call.take(deadline)
+                except asyncio.TimeoutError:
+                    raise TandemError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                        raise _error(exc) from None
                     # A server without Multiplex (an older router): nothing ran; a call per request from now on.
                     self._multiplex = None
                     method = self._stub.Chat if isinstance(request, tandem_pb2.ChatRequest) else self._stub.Generate
                     async for chunk in self._stream(method, request):
                         yield chunk
                     return
-                for event in events:
-                    if event.error_code:
-                        raise _status_error(_STATUS.get(event.error_code, grpc.StatusCode.UNKNOWN), event.error)
-                    yield _chunk(event.chunk)
-                    if event.chunk.finish_reason:
-                        return
+                if not chunks:
+                    return
+                for msg in chunks:
+                    yield _chunk(msg)
         finally:
             call.cancel()   # no-op when it ended; aborts it if the caller stopped early
 

@@ -39,7 +39,7 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def _refusal(error_code: int, error: str) -> grpc.aio.AioRpcError:
+def refusal(error_code: int, error: str) -> grpc.aio.AioRpcError:
     return rpc_error(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error)
 
 
@@ -231,20 +231,70 @@ class SessionStream:
             self._fail(target, error)
 
 
-class SessionCall:
-    """One request's stream of ``GenerateResponse`` on a decode session; the twin of a
-    unary-stream call (iterate, ``cancel()``, ``done()``)."""
+class PendingMessages:
+    """One request's messages as its stream's reader delivers them, handed over in batches, then
+    its end or its error. The reader's side is ``_ready`` / ``_end`` / ``_wake``."""
 
-    __slots__ = ("_session", "request_id", "_ready", "_error", "_ended", "_cancelled", "_waiter")
+    __slots__ = ("_ready", "_error", "_ended", "_cancelled", "_waiter")
 
-    def __init__(self, session: DecodeSession, request_id: str) -> None:
-        self._session = session
-        self.request_id = request_id
-        self._ready: list[worker_pb2.GenerateResponse] = []
+    def __init__(self) -> None:
+        self._ready: list[Any] = []
         self._error: BaseException | None = None
         self._ended = False            # the last message (or an error) arrived
         self._cancelled = False
         self._waiter: asyncio.Future | None = None
+
+    async def take(self, timeout_at: float | None = None) -> list[Any]:
+        """Every message that arrived since the last call (waits for one); [] once the request
+        ended. What piled up while the caller was busy (writing to a slow client) comes as one
+        batch: the router coalesces a request's tokens here. Raises the request's error,
+        CancelledError once cancelled, TimeoutError past ``timeout_at`` (a loop time)."""
+        if not await self._wait_ready(timeout_at):
+            return []
+        ready, self._ready = self._ready, []
+        return ready
+
+    async def _wait_ready(self, timeout_at: float | None = None) -> bool:
+        """Until a message is ready (True) or the request ended (False)."""
+        while not self._ready:
+            if self._cancelled:
+                raise asyncio.CancelledError()
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                return False
+            loop = asyncio.get_running_loop()
+            waiter = self._waiter = loop.create_future()
+            try:
+                if timeout_at is None:
+                    await waiter
+                else:
+                    await asyncio.wait_for(waiter, timeout_at - loop.time())
+            finally:
+                self._waiter = None
+        return True
+
+    def _end(self, error: BaseException) -> None:
+        if not self._ended:
+            self._error, self._ended = error, True
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class SessionCall(PendingMessages):
+    """One request's stream of ``GenerateResponse`` on a decode session; the twin of a
+    unary-stream call (iterate, ``cancel()``, ``done()``)."""
+
+    __slots__ = ("_session", "request_id")
+
+    def __init__(self, session: DecodeSession, request_id: str) -> None:
+        super().__init__()
+        self._session = session
+        self.request_id = request_id
 
     def __aiter__(self) -> SessionCall:
         return self
@@ -253,32 +303,6 @@ class SessionCall:
         if not await self._wait_ready():
             raise StopAsyncIteration
         return self._ready.pop(0)
-
-    async def take(self) -> list[worker_pb2.GenerateResponse]:
-        """Every message that arrived since the last call (waits for one); [] once the request
-        ended. What piled up while the caller was busy (writing to a slow client) comes as one
-        batch: the router coalesces a request's tokens here."""
-        if not await self._wait_ready():
-            return []
-        ready, self._ready = self._ready, []
-        return ready
-
-    async def _wait_ready(self) -> bool:
-        """Until a message is ready (True) or the request ended (False); raises its error, or
-        CancelledError once cancelled."""
-        while not self._ready:
-            if self._cancelled:
-                raise asyncio.CancelledError()
-            if self._error is not None:
-                raise self._error
-            if self._ended:
-                return False
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        return True
 
     def done(self) -> bool:
         return self._ended or self._cancelled
@@ -296,23 +320,13 @@ class SessionCall:
         if response.token_ids:
             self._ready.append(response)
         if response.error_code:
-            self._end(_refusal(response.error_code, response.error))
+            self._end(refusal(response.error_code, response.error))
             return
         if not response.token_ids:
             self._ready.append(response)
         if response.finish_reason:
             self._ended = True
         self._wake()
-
-    def _end(self, error: BaseException) -> None:
-        if not self._ended:
-            self._error, self._ended = error, True
-            self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class DecodeSession(SessionStream):
@@ -380,7 +394,7 @@ class PrefillSession(SessionStream):
     def _deliver(self, target: asyncio.Future, answer: worker_pb2.SubmitResponse) -> bool:
         if not target.done():
             if answer.error_code:
-                target.set_exception(_refusal(answer.error_code, answer.error))
+                target.set_exception(refusal(answer.error_code, answer.error))
             else:
                 target.set_result(answer)
         return True
