@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -211,9 +211,8 @@ _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
 
 
-def _require(ok: bool, param: str, message: str) -> None:
-    if not ok:
-        raise InvalidSamplingError(param, f"{param} must {message}")
+def _invalid(param: str, message: str) -> NoReturn:
+    raise InvalidSamplingError(param, f"{param} must {message}")
 
 
 def _finite32(value: float) -> bool:
@@ -235,34 +234,41 @@ def check_sampling(*, temperature: float | None = None, top_p: float | None = No
     """Every range check on sampling values, in one place for the engine and the router (which
     imports this torch-free module). None means "not given". Raises InvalidSamplingError whose
     message starts with ``"<field> must"``."""
+    # Each message is formatted only when its check fails: the router runs this on every request.
     if temperature is not None:
-        _require(temperature >= 0.0, "temperature", f"be >= 0, got {temperature}")   # NaN fails too
-        _require(_finite32(temperature), "temperature", f"be a finite float32, got {temperature}")
-    if top_p is not None:
-        _require(0.0 < top_p <= 1.0, "top_p", f"be in (0, 1], got {top_p}")
-    if top_k is not None:
-        _require(-1 <= top_k <= _INT32_MAX, "top_k", f"be -1, 0 (disabled) or a positive count, got {top_k}")
-    if min_p is not None:
-        _require(0.0 <= min_p <= 1.0, "min_p", f"be in [0, 1], got {min_p}")
+        if not temperature >= 0.0:   # NaN fails too
+            _invalid("temperature", f"be >= 0, got {temperature}")
+        if not _finite32(temperature):
+            _invalid("temperature", f"be a finite float32, got {temperature}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        _invalid("top_p", f"be in (0, 1], got {top_p}")
+    if top_k is not None and not -1 <= top_k <= _INT32_MAX:
+        _invalid("top_k", f"be -1, 0 (disabled) or a positive count, got {top_k}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        _invalid("min_p", f"be in [0, 1], got {min_p}")
     if repetition_penalty is not None:
         low, high = REPETITION_PENALTY_RANGE
-        _require(low <= repetition_penalty <= high, "repetition_penalty",
-                 f"be in [{low}, {high}], got {repetition_penalty}")
+        if not low <= repetition_penalty <= high:
+            _invalid("repetition_penalty", f"be in [{low}, {high}], got {repetition_penalty}")
     for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
-        if value is not None:
-            _require(-2.0 <= value <= 2.0, name, f"be in [-2, 2], got {value}")
-    if seed is not None:
-        _require(0 <= seed <= _INT64_MAX, "seed", f"be in [0, 2**63), got {seed}")
+        if value is not None and not -2.0 <= value <= 2.0:
+            _invalid(name, f"be in [-2, 2], got {value}")
+    if seed is not None and not 0 <= seed <= _INT64_MAX:
+        _invalid("seed", f"be in [0, 2**63), got {seed}")
     if max_tokens is not None:
-        _require(max_tokens >= 1, "max_tokens", f"be >= 1, got {max_tokens}")
-        _require(max_tokens <= _INT32_MAX, "max_tokens", f"be < 2**31, got {max_tokens}")
-    if logprobs is not None:
-        _require(0 <= logprobs <= MAX_LOGPROBS, "logprobs", f"be in [0, {MAX_LOGPROBS}], got {logprobs}")
-    _require(len(stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids",
-             f"hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
-    limit = _INT64_MAX + 1 if vocab_size is None else vocab_size
-    bad = next((t for t in stop_token_ids if not 0 <= t < limit), None)
-    _require(bad is None, "stop_token_ids", f"be token ids in [0, {limit}), got {bad}")
+        if not max_tokens >= 1:
+            _invalid("max_tokens", f"be >= 1, got {max_tokens}")
+        if not max_tokens <= _INT32_MAX:
+            _invalid("max_tokens", f"be < 2**31, got {max_tokens}")
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        _invalid("logprobs", f"be in [0, {MAX_LOGPROBS}], got {logprobs}")
+    if stop_token_ids:
+        if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            _invalid("stop_token_ids", f"hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}")
+        limit = _INT64_MAX + 1 if vocab_size is None else vocab_size
+        bad = next((t for t in stop_token_ids if not 0 <= t < limit), None)
+        if bad is not None:
+            _invalid("stop_token_ids", f"be token ids in [0, {limit}), got {bad}")
 
 
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")

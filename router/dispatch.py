@@ -11,12 +11,13 @@ duplicated or missing. A prefill worker lost while its request still waits for K
 in place (docs/architecture.md#failure-handling): the prompt is re-submitted to another prefill worker and the decode
 worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``).
 
-A client's request id is a label: the workers see ``<label>.<16 random hex>``, unique per
-request, so a reused client id never joins or aborts another client's request (the caller
-keeps using its own id in responses). Retries use ``<internal id>.retry<N>`` so a worker still
-cleaning up the old attempt never sees a clash. A request that fails twice for the same reason
-(worker addresses and ids aside) on different workers -- a poison request, not a bad worker --
-is not tried on more; a worker removed from the registry is not such a reason.
+A client's request id is a label: the workers see ``<label>.<16 hex>`` (8 random per router,
+then a count), unique per request, so a reused client id never joins or aborts another
+client's request (the caller keeps using its own id in responses). Retries use
+``<internal id>.retry<N>`` so a worker still cleaning up the old attempt never sees a clash. A
+request that fails twice for the same reason (worker addresses and ids aside) on different
+workers -- a poison request, not a bad worker -- is not tried on more; a worker removed from the
+registry is not such a reason.
 
 Conditional disaggregation: a prompt of at most ``local_prefill_max_tokens`` tokens (0: none)
 goes to a decode worker alone (``GenerateRequest.local_prefill``), which computes it beside its
@@ -29,8 +30,9 @@ cancel the request on D's session and abort it on P's (both only queue a message
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import uuid
+import secrets
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
@@ -97,6 +99,8 @@ class Dispatcher:
         self.failover_wait_s = failover_wait_s
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.num_waiting = 0          # requests without their first token yet
+        self._id_prefix = secrets.token_hex(4)   # with a count: request ids no other router makes
+        self._id_count = itertools.count()
         self._attempts: dict[str, set[Attempt]] = {}
         self._background: set[asyncio.Task] = set()
         registry.on_removed(self._worker_removed)
@@ -112,7 +116,7 @@ class Dispatcher:
         waiting = True
         avoid: set[str] = set()
         failures: set[str] = set()   # why earlier attempts failed, with addresses and ids left out
-        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{uuid.uuid4().hex[:16]}"
+        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{self._id_prefix}{next(self._id_count):08x}"
         logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
         request_id = internal_id
         self.num_waiting += 1

@@ -101,8 +101,8 @@ class Frontend:
         else:
             token_ids = [int(t) for t in prompt_token_ids]
             vocab = self.tokenizer.vocab_size
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
+            if min(token_ids) < 0 or max(token_ids) >= vocab:
+                bad = next(t for t in token_ids if not 0 <= t < vocab)
                 raise errors.invalid_request(f"prompt token id {bad} is outside the vocabulary [0, {vocab})", "prompt")
         if not token_ids:
             raise errors.invalid_request("the prompt is empty", "prompt")

@@ -24,8 +24,8 @@ from router.errors import invalid_request
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
-_OPTIONAL_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "logprobs")
+_OPTIONAL = frozenset(("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                       "frequency_penalty", "seed", "logprobs"))
 
 
 @dataclass(frozen=True)
@@ -79,16 +79,17 @@ def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_mo
                      default_max_tokens: int | None, vocab_size: int | None = None) -> PreparedSampling:
     """``default_max_tokens=None`` means "the rest of the context" (chat's default)."""
     s = public
-    has = s.HasField
-    values = {name: getattr(s, name) for name in _OPTIONAL_FIELDS if has(name)}
+    given = {f.name: value for f, value in s.ListFields()}   # the fields set (one call, on every request)
+    values = {name: value for name, value in given.items() if name in _OPTIONAL}
+    given_max_tokens = given.get("max_tokens")
     try:
-        check_sampling(**values, max_tokens=s.max_tokens if has("max_tokens") else None,
-                       stop_token_ids=s.stop_token_ids, vocab_size=vocab_size)
+        check_sampling(**values, max_tokens=given_max_tokens, stop_token_ids=s.stop_token_ids, vocab_size=vocab_size)
     except InvalidSamplingError as exc:
         raise invalid_request(str(exc), exc.param) from None
-    check_stop(s.stop)
-    if has("max_tokens"):
-        max_tokens = s.max_tokens
+    if s.stop:
+        check_stop(s.stop)
+    if given_max_tokens is not None:
+        max_tokens = given_max_tokens
     elif default_max_tokens is not None:
         max_tokens = default_max_tokens
     elif max_model_len is not None:
@@ -96,18 +97,19 @@ def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_mo
     else:
         max_tokens = 16
     if max_model_len is not None:
-        _check(num_prompt_tokens < max_model_len,
-               f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-               f"{num_prompt_tokens} tokens; shorten the prompt", "prompt")
-        if has("max_tokens") or default_max_tokens is not None:
-            _check(num_prompt_tokens + max_tokens <= max_model_len,
-                   f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                   f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-                   f"for the completion). Reduce the prompt or max_tokens.", "max_tokens")
-    params = worker_pb2.SamplingParams(stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos,
+        if num_prompt_tokens >= max_model_len:
+            raise invalid_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt "
+                                  f"has {num_prompt_tokens} tokens; shorten the prompt", "prompt")
+        if ((given_max_tokens is not None or default_max_tokens is not None)
+                and num_prompt_tokens + max_tokens > max_model_len):
+            raise invalid_request(f"This model's maximum context length is {max_model_len} tokens. However, you "
+                                  f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                                  f"prompt, {max_tokens} for the completion). Reduce the prompt or max_tokens.",
+                                  "max_tokens")
+    params = worker_pb2.SamplingParams(stop_token_ids=s.stop_token_ids, ignore_eos=s.ignore_eos,
                                        max_tokens=max_tokens, **values)
-    if has("temperature"):
-        params.temperature = clamp_temperature(s.temperature)
-    if has("structured_outputs"):
+    if "temperature" in values:
+        params.temperature = clamp_temperature(values["temperature"])
+    if "structured_outputs" in given:
         params.grammar.CopyFrom(output_grammar(s.structured_outputs))
     return PreparedSampling(params, tuple(s.stop))

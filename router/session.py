@@ -43,37 +43,6 @@ def refusal(error_code: int, error: str) -> grpc.aio.AioRpcError:
     return rpc_error(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error)
 
 
-class _Outbox:
-    """Messages waiting for a stream's writer, taken all at once."""
-
-    def __init__(self) -> None:
-        self._messages: list[Any] = []
-        self._closed = False
-        self._waiter: asyncio.Future | None = None
-
-    def put(self, message: Any) -> None:
-        self._messages.append(message)
-        self._wake()
-
-    def close(self) -> None:
-        self._closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    async def take(self) -> list[Any] | None:
-        """Every message queued since the last call (waits for one); None once closed."""
-        while not self._messages and not self._closed:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        if self._closed:
-            return None
-        messages, self._messages = self._messages, []
-        return messages
-
-
 class SessionStream:
     """One peer's stream: batches what is started and aborted per turn of the loop, reads the
     answers on a task, and fails everything open when the stream breaks. Subclasses name the
@@ -93,10 +62,9 @@ class SessionStream:
         self.address = address
         self._call: Any = None                # the open stream-stream call, or None
         self._open_requests: dict[Any, Any] = {}
-        self._starts: list[Any] = []
-        self._aborts: list[str] = []
-        self._flush_scheduled = False
-        self._outbox: _Outbox | None = None
+        self._starts: list[Any] = []         # what the writer sends next
+        self._aborts: list[Any] = []
+        self._writer_idle: asyncio.Future | None = None   # the writer waits on it for work
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
@@ -135,7 +103,7 @@ class SessionStream:
             self._open()
         self._open_requests[request_id] = target
         self._starts.append(request)
-        self._schedule_flush()
+        self._wake_writer()
         return True
 
     def _abort(self, request_id: Any) -> None:
@@ -144,59 +112,52 @@ class SessionStream:
         if self._call is None:
             self._open()
         self._aborts.append(request_id)
-        self._schedule_flush()
+        self._wake_writer()
 
     # -- the stream ---------------------------------------------------------------------
-    def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+    def _wake_writer(self) -> None:
+        waiter = self._writer_idle
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
-    def _flush(self) -> None:
-        """Everything started or aborted in this turn of the loop, in one message (several when
-        the prompts add up to more than FLUSH_BYTES); aborts after the starts, since one of them
-        may stop a request just started."""
-        self._flush_scheduled = False
-        outbox = self._outbox
-        starts, aborts, self._starts, self._aborts = self._starts, self._aborts, [], []
-        if outbox is None:
-            return
+    def _open(self) -> None:
+        call = self._call = self._new_call()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._write(call)), loop.create_task(self._read(call))]
+
+    def _messages(self, starts: list[Any], aborts: list[Any]) -> list[Any]:
+        """``starts`` and ``aborts`` as messages: one, or several when the prompts add up to
+        more than FLUSH_BYTES; the aborts go last, since one of them may stop a request just started."""
+        if len(starts) <= 1:
+            return [self._message(starts, aborts)]
+        messages: list[Any] = []
         batch: list[Any] = []
         size = 0
         for request in starts:
             request_size = request.ByteSize()
             if batch and size + request_size > FLUSH_BYTES:
-                outbox.put(self._message(batch, []))
+                messages.append(self._message(batch, []))
                 batch, size = [], 0
             batch.append(request)
             size += request_size
-        if batch or aborts:
-            outbox.put(self._message(batch, aborts))
+        messages.append(self._message(batch, aborts))
+        return messages
 
-    def _open(self) -> None:
-        call = self._call = self._new_call()
-        outbox = self._outbox = _Outbox()
+    async def _write(self, call: Any) -> None:
+        """Send what was started and aborted, in order: everything queued since the writer last
+        ran leaves together, so what a turn of the loop starts is one message, and so is what
+        queued up while a write was on the wire. The writer is woken by the first start or
+        abort of a turn and runs in the next, before work that turn scheduled after it."""
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._write(call, outbox)), loop.create_task(self._read(call))]
-
-    async def _write(self, call: Any, outbox: _Outbox) -> None:
-        """Send the messages in order; what queued up during a write leaves as one message (an
-        abort in it can only name a request of an earlier message: ids are unique)."""
         try:
-            while True:
-                messages = await outbox.take()
-                if messages is None:   # the stream broke or the session closed
-                    return
-                message, size = messages[0], messages[0].ByteSize()
-                for more in messages[1:]:
-                    more_size = more.ByteSize()
-                    if size + more_size > FLUSH_BYTES:
-                        await call.write(message)
-                        message, size = more, more_size
-                    else:
-                        message.MergeFrom(more)
-                        size += more_size
-                await call.write(message)
+            while self._call is call:
+                if not self._starts and not self._aborts:
+                    waiter = self._writer_idle = loop.create_future()
+                    await waiter
+                    continue
+                starts, aborts, self._starts, self._aborts = self._starts, self._aborts, [], []
+                for message in self._messages(starts, aborts):
+                    await call.write(message)
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
             logger.debug("session to %s: write failed: %s", self.address, exc)   # the reader sees the break
 
@@ -220,9 +181,7 @@ class SessionStream:
     def _broken(self, error: grpc.aio.AioRpcError) -> None:
         """The stream is gone: fail every open request with ``error``; the next request reopens."""
         call, self._call = self._call, None
-        if self._outbox is not None:
-            self._outbox.close()
-            self._outbox = None
+        self._wake_writer()      # it sees the stream gone and ends
         if call is not None:
             call.cancel()
         open_requests, self._open_requests = self._open_requests, {}
