@@ -34,10 +34,14 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from protos.grpc_io import describe, use_polling_io  # noqa: E402
+
+use_polling_io()   # as the router and workers do (protos/grpc_io.py); before grpc is imported
+
+import grpc  # noqa: E402
 
 from protos.auth import SECRET_ENV, new_secret  # noqa: E402
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
@@ -259,7 +263,8 @@ def main() -> int:
         ready = json.loads(read_line(router, "TANDEM_ROUTER_READY "))
         time.sleep(1.5)  # first heartbeat marks the workers healthy
         print(f"machine: {os.cpu_count()} CPUs, load average {_load()}; fake workers, "
-              f"{'a bare forwarder' if args.forwarder else 'router'} and this client are separate processes")
+              f"{'a bare forwarder' if args.forwarder else 'router'} and this client are separate processes; "
+              f"grpc {describe()}")
         run(measure(args, addresses, ready["grpc"], {"router": router.pid, "fakes": fakes.pid, "client": os.getpid()}))
         print(f"load average after: {_load()}")
     finally:

@@ -3,3 +3,6 @@
 ``python -m decode_worker`` starts one: engine thread (DecodeLoop), gRPC servicer
 (DecodeWorker service), a kvtransfer receiver over its KV pool and a Prometheus /metrics port.
 """
+from protos.grpc_io import use_polling_io
+
+use_polling_io()   # before anything imports grpc (protos/grpc_io.py)

@@ -8,3 +8,6 @@ comes as one batch) + registry.py (membership, heartbeats) + policies/. client.p
 (its async client multiplexes its requests on one stream); the workers' twins are
 tests/router/fake_workers.py.
 """
+from protos.grpc_io import use_polling_io
+
+use_polling_io()   # before anything imports grpc (protos/grpc_io.py)

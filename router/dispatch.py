@@ -85,6 +85,16 @@ class _Progress:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(eq=False)
+class Dispatch:
+    """A request ``Dispatcher.open`` started: its id at the workers, its progress, its first
+    attempt until ``events`` takes it."""
+    request_id: str
+    progress: _Progress
+    sampling: worker_pb2.SamplingParams
+    first: Attempt | None
+
+
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 4, rpc_timeout_s: float = 30.0,
@@ -107,25 +117,45 @@ class Dispatcher:
 
     # -- public -----------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       sampling: worker_pb2.SamplingParams) -> AsyncGenerator[TokenEvent, None]:
-        """Stream the request's tokens; raises RouterError when it cannot complete. ``request_id``
-        is the client's label; the workers get a unique id made from it."""
+    def open(self, request_id: str, prompt_token_ids: list[int], sampling: worker_pb2.SamplingParams) -> Dispatch:
+        """Start the request's first attempt now (its start is queued on the workers' sessions);
+        raises RouterError when no worker can take it. ``request_id`` is the client's label; the
+        workers get a unique id made from it. Stream it with ``events``, or give it up with
+        ``abandon`` if that never runs."""
         progress = _Progress(list(prompt_token_ids),
                              sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
+        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{self._id_prefix}{next(self._id_count):08x}"
+        logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
+        first = self._start(internal_id, progress, sampling, set())
+        self.num_waiting += 1
+        return Dispatch(internal_id, progress, sampling, first)
+
+    def abandon(self, dispatch: Dispatch) -> None:
+        """End a request whose ``events`` never ran (its caller was cancelled first): it is
+        aborted at its workers. Nothing to do once ``events`` has begun."""
+        attempt, dispatch.first = dispatch.first, None
+        if attempt is not None:
+            self.num_waiting -= 1
+            self._end(attempt)
+
+    async def events(self, dispatch: Dispatch) -> AsyncGenerator[TokenEvent, None]:
+        """Stream an opened request's tokens, failing over as needed; raises RouterError when it
+        cannot complete."""
+        first, dispatch.first = dispatch.first, None
+        if first is None:
+            raise RuntimeError("events() of a request already streamed or abandoned")
+        request_id, progress, sampling = dispatch.request_id, dispatch.progress, dispatch.sampling
         waiting = True
         avoid: set[str] = set()
         failures: set[str] = set()   # why earlier attempts failed, with addresses and ids left out
-        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{self._id_prefix}{next(self._id_count):08x}"
-        logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
-        request_id = internal_id
-        self.num_waiting += 1
         try:
             for attempt_no in range(self.max_attempts):
                 attempt_id = request_id if attempt_no == 0 else f"{request_id}.retry{attempt_no}"
                 if attempt_no:
                     await self._wait_for_workers(("decode",) if self._local(progress) else ROLES)
-                attempt = self._start(attempt_id, progress, sampling, avoid)
+                    attempt = self._start(attempt_id, progress, sampling, avoid)
+                else:
+                    attempt = first
                 try:
                     while responses := await attempt.call.take():
                         # One event for every message that came since the last (one per engine

@@ -23,7 +23,7 @@ from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router import errors
 from router.config import RouterConfig
-from router.dispatch import Dispatcher
+from router.dispatch import Dispatch, Dispatcher
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.sampling import prepare_sampling, unencodable
@@ -158,13 +158,30 @@ class Frontend:
 
     # -- streaming --------------------------------------------------------------------------
 
-    async def stream(self, request: PreparedRequest) -> AsyncGenerator[TextChunk, None]:
+    def open(self, request: PreparedRequest) -> Dispatch:
+        """Start dispatching ``request`` now, before its ``stream`` runs (Multiplex does, so the
+        start leaves in this turn of the loop); raises RouterError. Pass the result to
+        ``stream``, or to ``abandon`` if the stream never runs."""
+        try:
+            return self.dispatcher.open(request.request_id, request.prompt_token_ids, request.params)
+        except errors.RouterError as exc:
+            self.metrics.errors.labels(str(exc.http_status)).inc()
+            raise
+
+    def abandon(self, dispatch: Dispatch) -> None:
+        self.dispatcher.abandon(dispatch)
+
+    async def stream(self, request: PreparedRequest, dispatch: Dispatch | None = None
+                     ) -> AsyncGenerator[TextChunk, None]:
         """One chunk per dispatcher event: every token that arrived while the previous chunk was
-        being written goes out in the next one (the decode session holds them: SessionCall.take)."""
+        being written goes out in the next one (the decode session holds them: SessionCall.take).
+        ``dispatch``: the request as ``open`` started it (else the stream opens it)."""
+        if dispatch is None:
+            dispatch = self.open(request)
         text = TextStream(self.tokenizer, request.stop)
         start_s = last_s = first_s = time.perf_counter()
         num_output_tokens = 0
-        events = self.dispatcher.generate(request.request_id, request.prompt_token_ids, request.params)
+        events = self.dispatcher.events(dispatch)
         self.metrics.running.inc()
         try:
             async for last in events:
@@ -194,6 +211,7 @@ class Frontend:
         finally:
             self.metrics.running.dec()
             await events.aclose()   # an unfinished request is aborted at its workers
+            self.dispatcher.abandon(dispatch)   # ... and so is one whose events never began
 
     def _count_finish(self, finish: str, usage: Usage, latency_s: float) -> None:
         self.metrics.requests.labels(finish).inc()

@@ -7,12 +7,15 @@ logged and ends as INTERNAL, never a dropped stream.
 ``Multiplex`` carries many requests on one stream (``Multiplexed``, the async SDK's transport):
 each runs as on Generate or Chat, on a task of its own, and the events of all of them that are
 ready in the same turn of the loop leave in one message -- at concurrency 64, one message per
-decode step instead of one per request. A request waits for its previous event to be written
-before it takes the next tokens, so a slow client gets its tokens coalesced per request
-(``SessionCall.take``, router/session.py) instead of chunks queued here. A bad request fails its key alone, with
-the status Generate would end with; a key already open or bytes that are no message end the
-stream with INVALID_ARGUMENT. However the stream ends (done, the client cancelled it, the
-connection dropped), every request still open on it is aborted at the workers.
+decode step instead of one per request. A small request is validated, admitted and dispatched
+as its start is read (``Frontend.open``), so its start leaves for the workers before its task
+first runs; one cancelled before that is abandoned at the workers. A request waits for its
+previous event to be written before it takes the next tokens, so a slow client gets its tokens
+coalesced per request (``SessionCall.take``, router/session.py) instead of chunks queued here. A
+bad request fails its key alone, with the status Generate would end with; a key already open or
+bytes that are no message end the stream with INVALID_ARGUMENT. However the stream ends (done,
+the client cancelled it, the connection dropped), every request still open on it is aborted at
+the workers.
 
 Also the API-key interceptor: with a key set, every Tandem call needs metadata
 ``authorization: Bearer KEY`` (health and reflection stay open, as load balancers expect).
@@ -31,6 +34,7 @@ from google.protobuf.message import DecodeError
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router import errors
 from router.cluster import cluster_view
+from router.dispatch import Dispatch
 from router.frontend import Frontend, PreparedRequest, TextChunk
 
 logger = logging.getLogger(__name__)
@@ -99,8 +103,10 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     def __init__(self, frontend: Frontend) -> None:
         self.frontend = frontend
 
-    async def prepare(self, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest) -> PreparedRequest:
-        """Validate, template, tokenize (off the loop when large) and admit; raises RouterError."""
+    def preparer(self, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest
+                 ) -> tuple[Callable[[], PreparedRequest], bool]:
+        """What validates, templates and tokenizes ``request`` (raising RouterError), and
+        whether that is cheap enough to run on the loop."""
         frontend = self.frontend
         if isinstance(request, tandem_pb2.ChatRequest):
             def prepare() -> PreparedRequest:
@@ -114,8 +120,13 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
                 return frontend.prepare_prompt(request.prompt, request.prompt_token_ids, request.sampling,
                                                request.request_id, default_max_tokens=16)
             num_chars = len(request.prompt) + len(request.prompt_token_ids)
-        prepared = prepare() if num_chars <= INLINE_CHARS else await asyncio.to_thread(prepare)
-        frontend.admit()
+        return prepare, num_chars <= INLINE_CHARS
+
+    async def prepare(self, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest) -> PreparedRequest:
+        """Validate, template, tokenize (off the loop when large) and admit; raises RouterError."""
+        prepare, inline = self.preparer(request)
+        prepared = prepare() if inline else await asyncio.to_thread(prepare)
+        self.frontend.admit()
         return prepared
 
     async def _stream(self, request, context: grpc.aio.ServicerContext):
@@ -208,6 +219,8 @@ class Multiplexed:
                     task = self._open.pop(key, None)
                     if task is not None:
                         task.cancel()
+                if message.start:
+                    await asyncio.sleep(0)   # the starts go to the workers before the next read is set up
         except errors.RouterError as exc:
             self._error = exc
         finally:
@@ -222,15 +235,37 @@ class Multiplexed:
         if which is None:
             self._fail(key, grpc.StatusCode.INVALID_ARGUMENT, "a start needs a completion or a chat request")
             return
-        task = asyncio.get_running_loop().create_task(self._run(key, getattr(start, which)))
+        request = getattr(start, which)
+        prepare, inline = self._servicer.preparer(request)
+        opened: tuple[PreparedRequest, Dispatch] | None = None
+        if inline:
+            # A small request is started here and now: its start leaves for the workers in the
+            # next turn of the loop, ahead of its task.
+            frontend = self._servicer.frontend
+            try:
+                prepared = prepare()
+                frontend.admit()
+                opened = prepared, frontend.open(prepared)
+            except errors.RouterError as exc:
+                self._fail(key, exc.grpc_code, exc.message)
+                return
+            except Exception:  # noqa: BLE001 - a clean status for this key instead of a dropped stream
+                logger.exception("unexpected error starting a Multiplex request")
+                self._fail(key, grpc.StatusCode.INTERNAL, "internal error")
+                return
+        task = asyncio.get_running_loop().create_task(self._run(key, request, opened))
         self._open[key] = task
-        task.add_done_callback(lambda task: self._task_done(key, task))
+        task.add_done_callback(lambda task: self._task_done(key, task, opened))
 
-    async def _run(self, key: int, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest) -> None:
+    async def _run(self, key: int, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest,
+                   opened: tuple[PreparedRequest, Dispatch] | None) -> None:
         try:
-            prepared = await self._servicer.prepare(request)
+            if opened is None:
+                prepared, dispatch = await self._servicer.prepare(request), None
+            else:
+                prepared, dispatch = opened
             # aclosing: a cancel while this waits for a write still aborts the request at once.
-            async with contextlib.aclosing(self._servicer.frontend.stream(prepared)) as chunks:
+            async with contextlib.aclosing(self._servicer.frontend.stream(prepared, dispatch)) as chunks:
                 async for chunk in chunks:
                     self._events.append((key, prepared.request_id, chunk, None, ""))
                     self._wake()
@@ -254,7 +289,9 @@ class Multiplexed:
         if self._open.get(key) is asyncio.current_task():
             del self._open[key]
 
-    def _task_done(self, key: int, task: asyncio.Task) -> None:
+    def _task_done(self, key: int, task: asyncio.Task, opened: tuple[PreparedRequest, Dispatch] | None) -> None:
+        if opened is not None:
+            self._servicer.frontend.abandon(opened[1])   # cancelled before it ran: aborted at the workers
         if self._open.get(key) is task:
             # Ended without a last event and not by the client's cancel: a cancellation from
             # inside (a worker call cancelled under it). The client still hears of it.

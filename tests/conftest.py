@@ -14,7 +14,11 @@ import re
 
 import pytest
 
-from protos.auth import SECRET_ENV, new_secret
+from protos.grpc_io import use_polling_io
+
+use_polling_io()   # grpc's I/O path as in Tandem's processes, before protos.auth imports grpc
+
+from protos.auth import SECRET_ENV, new_secret  # noqa: E402
 
 os.environ.setdefault(SECRET_ENV, new_secret())
 

@@ -95,6 +95,30 @@ def test_a_cancelled_key_is_aborted_at_both_workers_and_the_stream_goes_on(loop_
     run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.02})
 
 
+def test_a_start_cancelled_in_its_own_message_is_aborted_at_both_workers(loop_thread, tokenizer):
+    """A small request is dispatched as its start is read, before its task runs: a cancel in the
+    same message stops the task before it starts, and the request must still end at both workers
+    and in the router's counts."""
+    async def body(cluster):
+        decode, prefill = cluster.decodes[0], cluster.prefills[0]
+        channel, call = await _open_stream(cluster)
+        await call.write(tandem_pb2.MultiplexRequest(start=[_start(1, [1, 2], 200)], cancel=[1]))
+        await call.write(tandem_pb2.MultiplexRequest(start=[_start(2, [3, 4], 3)]))
+        events = []
+        while not any(e.key == 2 and e.chunk.finish_reason for e in events):
+            events.extend((await call.read()).events)
+        await until(lambda: not decode.state.active and len(prefill.state.aborted) == 1)
+        [rid] = decode.state.aborted
+        assert prefill.state.aborted == [rid] and rid in decode.state.seen
+        assert not [e for e in events if e.key == 1]
+        dispatcher = cluster.router.dispatcher
+        assert dispatcher.num_waiting == 0
+        assert [w.num_inflight for w in cluster.router.registry.all()] == [0, 0]
+        call.cancel()
+        await channel.close()
+    run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.02})
+
+
 def test_a_client_that_goes_away_aborts_every_request_it_had_open(loop_thread, tokenizer):
     async def body(cluster):
         decode = cluster.decodes[0]
