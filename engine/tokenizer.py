@@ -430,7 +430,7 @@ class IncrementalDetokenizer:
         if len(self._ids) == self._read_offset:
             return ""
         decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[:self._read_offset], self._skip_special_tokens)
+        prefix_text = decode(self._ids[:self._read_offset], self._skip_special_tokens) if self._read_offset else ""
         new_text = decode(self._ids, self._skip_special_tokens)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)):
             return ""

@@ -70,7 +70,6 @@ class Attempt:
     decode: WorkerState
     call: SessionCall | None = None
     submit_request: worker_pb2.SubmitRequest | None = None
-    submit: asyncio.Task | None = None
     submit_error: grpc.aio.AioRpcError | None = None
     lost: str | None = None            # address of a worker the registry removed mid-attempt
     prefill_done: bool = False         # first token seen (or attempt over): P no longer involved
@@ -219,8 +218,8 @@ class Dispatcher:
                 self.num_waiting -= 1
 
     async def close(self) -> None:
-        """Wait for the background tasks: Submits, prefill replacements (call after the servers
-        stopped taking requests)."""
+        """Wait for the background tasks: failed Submits being probed, prefill replacements
+        (call after the servers stopped taking requests)."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
@@ -274,7 +273,7 @@ class Dispatcher:
                 request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
             attempt.submit_request = worker_pb2.SubmitRequest(
                 request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
-            attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
+            self._submit(attempt, attempt.submit_request)
             workers = (prefill, decode)
         for worker in workers:
             worker.num_inflight += 1
@@ -282,19 +281,25 @@ class Dispatcher:
             self._attempts.setdefault(worker.address, set()).add(attempt)
         return attempt
 
-    async def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
+    def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
         prefill = attempt.prefill
         assert prefill is not None
         assert isinstance(prefill.session, PrefillSession)
-        try:
-            await prefill.session.submit(request, self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            if attempt.finished or attempt.call.done():
-                return
-            if exc.code() in RETRYABLE and not await self.registry.probe(prefill.address):
-                return  # removed: _worker_removed moves the prompt to another prefill worker
-            attempt.submit_error = exc
-            attempt.call.cancel()
+        prefill.session.submit(request, self.rpc_timeout_s).add_done_callback(
+            lambda answer: self._submitted(attempt, prefill, answer))
+
+    def _submitted(self, attempt: Attempt, prefill: WorkerState, answer: asyncio.Future) -> None:
+        if answer.cancelled() or answer.exception() is None or attempt.finished or attempt.call.done():
+            return
+        self._spawn(self._submit_failed(attempt, prefill, answer.exception()))
+
+    async def _submit_failed(self, attempt: Attempt, prefill: WorkerState, exc: grpc.aio.AioRpcError) -> None:
+        if exc.code() in RETRYABLE and not await self.registry.probe(prefill.address):
+            return  # removed: _worker_removed moves the prompt to another prefill worker
+        if attempt.finished or attempt.call.done():
+            return
+        attempt.submit_error = exc
+        attempt.call.cancel()
 
     def _prefill_done(self, attempt: Attempt) -> None:
         if not attempt.prefill_done:
@@ -394,7 +399,7 @@ class Dispatcher:
         new.num_inflight += 1
         new.num_requests += 1
         self._attempts.setdefault(new.address, set()).add(attempt)
-        attempt.submit = self._spawn(self._submit(attempt, attempt.submit_request))
+        self._submit(attempt, attempt.submit_request)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

@@ -9,8 +9,8 @@ completion-queue round per message); per token, a message.
 - ``DecodeSession.generate`` returns a ``SessionCall``, which the dispatcher uses as it would a
   ``DecodeWorker.Generate`` call: iterate it for ``GenerateResponse`` messages, ``cancel()`` it
   (the worker is told to abort the request), ``done()``.
-- ``PrefillSession.submit`` is ``PrefillWorker.Submit``: it returns the ``SubmitResponse``;
-  ``abort`` is ``PrefillWorker.Abort`` without an answer.
+- ``PrefillSession.submit`` is ``PrefillWorker.Submit``: it returns a future of the
+  ``SubmitResponse``; ``abort`` is ``PrefillWorker.Abort`` without an answer.
 
 A request the worker refuses or fails ends with ``grpc.aio.AioRpcError`` carrying the worker's
 status code. When a stream breaks (the worker died, the connection dropped, the registry removed
@@ -323,21 +323,29 @@ class PrefillSession(SessionStream):
 
     role = "prefill"
 
-    async def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> worker_pb2.SubmitResponse:
-        """``PrefillWorker.Submit`` on the stream: the answer, or AioRpcError (DEADLINE_EXCEEDED
-        after ``timeout_s``)."""
-        answer: asyncio.Future[worker_pb2.SubmitResponse] = asyncio.get_running_loop().create_future()
+    def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> asyncio.Future[worker_pb2.SubmitResponse]:
+        """``PrefillWorker.Submit`` on the stream: a future of the answer, or of AioRpcError
+        (DEADLINE_EXCEEDED after ``timeout_s``). No task per request: the router's dispatcher
+        handles the answer in a callback; cancelling the future forgets the request."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[worker_pb2.SubmitResponse] = loop.create_future()
         if not self._start(request.request_id, request, answer):
-            return await answer
-        try:
-            return await asyncio.wait_for(asyncio.shield(answer), timeout_s)
-        except asyncio.TimeoutError:
-            self._open_requests.pop(request.request_id, None)
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"no answer to Submit from prefill worker {self.address} in {timeout_s:g} s") from None
-        except asyncio.CancelledError:
-            self._open_requests.pop(request.request_id, None)
-            raise
+            return answer
+        request_id = request.request_id
+        timer = loop.call_later(timeout_s, self._expire, request_id, answer, timeout_s)
+
+        def done(_: asyncio.Future) -> None:
+            timer.cancel()
+            if self._open_requests.get(request_id) is answer:
+                del self._open_requests[request_id]   # expired or cancelled: a late answer is dropped
+        answer.add_done_callback(done)
+        return answer
+
+    def _expire(self, request_id: str, answer: asyncio.Future, timeout_s: float) -> None:
+        if not answer.done():
+            answer.set_exception(rpc_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no answer to Submit from prefill worker {self.address} in {timeout_s:g} s"))
 
     def abort(self, request_id: str) -> None:
         """``PrefillWorker.Abort`` on the stream, after anything sent before it (a Submit still

@@ -1,20 +1,22 @@
 """Dispatch against fake workers: failover keeps one unbroken stream, disconnects abort at both
-workers, 256 concurrent streams complete, registry membership and shutdown."""
+workers, 256 concurrent streams complete, registry membership and shutdown, a Submit refused or
+never answered ends its request."""
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import httpx
 import msgpack
 import pytest
 
 from protos.auth import SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc, worker_pb2
-from router.client import AsyncTandemClient, InvalidArgument
+from router.client import AsyncTandemClient, InvalidArgument, TandemError
 from router.config import RouterConfig
 from router.server import Router
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
-from tests.router.fake_workers import FakeDecode, FakeWorker, fake_completion
+from tests.router.fake_workers import FakeDecode, FakePrefill, FakeWorker, fake_completion
 
 
 def admin_stub(channel) -> SecretStub:
@@ -336,3 +338,77 @@ def test_several_tokens_per_decode_message_keep_tokens_logprobs_usage_and_stop_s
     assert chunks[-1].finish_reason == "length" and chunks[-1].usage.completion_tokens == 10
     assert len(chunks) <= 4                          # a chunk per message, never one per token
     assert stopped.finish_reason == "stop" and stopped.text == text[:text.index(stop)]
+
+
+class _ScriptedPrefill(FakePrefill):
+    """Answers every Submit on its session with ``error_code`` (never, when None)."""
+
+    def __init__(self, state, error_code: grpc.StatusCode | None) -> None:
+        super().__init__(state)
+        self.error_code = error_code
+
+    async def Session(self, request_iterator, context):
+        async for message in request_iterator:
+            self.state.seen.extend(r.request_id for r in message.submit)
+            self.state.aborted.extend(message.abort)
+            if self.error_code is not None and message.submit:
+                yield worker_pb2.PrefillSessionResponse(results=[worker_pb2.SubmitResponse(
+                    request_id=r.request_id, error_code=self.error_code.value[0], error="scripted refusal")
+                    for r in message.submit])
+
+
+async def _cluster_with_prefill(tokenizer, error_code, **router_options):
+    prefill = FakeWorker("prefill")
+    prefill.servicer = _ScriptedPrefill(prefill.state, error_code)
+    await prefill.start()
+    decode = await FakeWorker("decode", token_interval_s=0.02).start()
+    config = RouterConfig(model=MODEL, http_port=0, grpc_port=0, prefill=(prefill.address,),
+                          decode=(decode.address,), heartbeat_interval_s=0.2, heartbeat_timeout_s=1.0,
+                          **router_options)
+    router = await Router(config, tokenizer).start()
+    await router.registry.wait_healthy("prefill", 1)
+    await router.registry.wait_healthy("decode", 1)
+    return router, prefill, decode
+
+
+def test_a_submit_the_prefill_worker_refuses_fails_the_request_with_its_status(loop_thread, tokenizer):
+    """The Submit's answer comes back on P's session: a refusal that is not transient ends the
+    request with the worker's status, and the request is aborted at D."""
+    async def main():
+        router, prefill, decode = await _cluster_with_prefill(tokenizer, grpc.StatusCode.INVALID_ARGUMENT,
+                                                              local_prefill_max_tokens=0)
+        try:
+            async with AsyncTandemClient(router.grpc_address) as client:
+                with pytest.raises(InvalidArgument, match="scripted refusal"):
+                    await client.generate([1, 2, 3], max_tokens=50)
+            await until(lambda: not decode.state.active)
+            assert decode.state.aborted == prefill.state.seen and len(prefill.state.seen) == 1
+            assert router.dispatcher.num_waiting == 0
+            assert [w.num_inflight for w in router.registry.all()] == [0, 0]
+        finally:
+            await router.stop()
+            await prefill.stop()
+            await decode.stop()
+    loop_thread.run(main(), 60)
+
+
+def test_a_submit_never_answered_times_out_and_the_request_fails_instead_of_hanging(loop_thread, tokenizer):
+    """A prefill worker alive (it answers heartbeats) that never answers a Submit: after
+    rpc_timeout_s the attempt is given up, retried once, and the request fails; nothing is left
+    running at D."""
+    async def main():
+        router, prefill, decode = await _cluster_with_prefill(tokenizer, None, local_prefill_max_tokens=0,
+                                                              rpc_timeout_s=0.3)
+        try:
+            async with AsyncTandemClient(router.grpc_address) as client:
+                with pytest.raises(TandemError, match="DEADLINE_EXCEEDED"):
+                    await asyncio.wait_for(client.generate([1, 2, 3], max_tokens=200), 20)
+            await until(lambda: not decode.state.active)
+            assert len(prefill.state.seen) == 2   # the first attempt and its one retry
+            assert router.dispatcher.num_waiting == 0
+            assert not router.dispatcher._background
+        finally:
+            await router.stop()
+            await prefill.stop()
+            await decode.stop()
+    loop_thread.run(main(), 60)
