@@ -22,15 +22,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 METHOD = "/tandem.bench.Echo/Stream"
 
-
-def run(coro):
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+# grpc reads GRPC_EXPERIMENTS when it is imported: main() sets it in each child's environment,
+# so importing these helpers (which import grpc) here is safe.
+from benchmarks.router_overhead import cpu_s, run  # noqa: E402
+from protos.grpc_io import EXPERIMENTS  # noqa: E402
 
 
 async def serve() -> None:
@@ -61,16 +59,6 @@ async def ping(port: int, n: int, warmup: int) -> list[float]:
             times.append(time.perf_counter() - start)
         await call.done_writing()
     return times[warmup:]
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux; 0.0 elsewhere)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def client(n: int) -> None:
@@ -104,8 +92,6 @@ def main() -> int:
     if args.client:
         client(args.messages)
         return 0
-    sys.path.insert(0, str(ROOT))
-    from protos.grpc_io import EXPERIMENTS
     print(f"machine: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
           f"{args.messages} round trips of a 40-byte message on one stream, echo server in its own process")
     for experiments in ("", EXPERIMENTS):
