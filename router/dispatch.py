@@ -247,18 +247,20 @@ class Dispatcher:
             raise errors.unavailable(f"no {role} worker is available")
         # A retry avoids the workers of broken attempts while others are left (they may answer
         # heartbeats and still fail requests).
-        fresh = [w for w in workers if w.address not in avoid]
+        fresh = [w for w in workers if w.address not in avoid] if avoid else workers
         return policy.choose(fresh or workers, prompt)
 
     def _start(self, attempt_id: str, progress: _Progress, sampling: worker_pb2.SamplingParams,
                avoid: set[str]) -> Attempt:
-        prompt = progress.prompt_token_ids + progress.output_token_ids
-        params = worker_pb2.SamplingParams()
-        params.CopyFrom(sampling)
-        params.max_tokens = progress.max_tokens - len(progress.output_token_ids)
-        if params.HasField("grammar"):
-            # The prompt ends with the output streamed so far: both workers' matchers resume after it.
-            params.grammar.num_resumed_tokens = len(progress.output_token_ids)
+        prompt, params = progress.prompt_token_ids, sampling
+        if progress.output_token_ids or not sampling.HasField("max_tokens"):
+            prompt = prompt + progress.output_token_ids
+            params = worker_pb2.SamplingParams()
+            params.CopyFrom(sampling)
+            params.max_tokens = progress.max_tokens - len(progress.output_token_ids)
+            if params.HasField("grammar"):
+                # The prompt ends with the output streamed so far: both workers' matchers resume after it.
+                params.grammar.num_resumed_tokens = len(progress.output_token_ids)
         prefill = None if self._local(progress) else self._pick("prefill", self.prefill_policy, prompt, avoid)
         decode = self._pick("decode", self.decode_policy, prompt, avoid)
         attempt = Attempt(attempt_id, prefill, decode)

@@ -10,9 +10,10 @@ aborts the request at both workers through the dispatcher.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
@@ -65,8 +66,14 @@ class Frontend:
         self.max_waiting = config.max_waiting
         self.max_sub_requests = config.max_sub_requests
         self.max_prompt_chars = config.max_prompt_chars
+        self._id_prefix = secrets.token_hex(8)   # with a count: ids no other router makes, without a
+        self._id_count = itertools.count()       # random draw (a syscall) per request
 
     # -- preparing --------------------------------------------------------------------------
+
+    def new_request_id(self) -> str:
+        """The id of a request whose client gave none."""
+        return f"{self._id_prefix}{next(self._id_count):08x}"
 
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
@@ -84,7 +91,7 @@ class Frontend:
                                          "request_id")
         if unencodable(given):
             raise errors.invalid_request("request_id must be valid Unicode (no lone surrogates)", "request_id")
-        return given or uuid.uuid4().hex
+        return given or self.new_request_id()
 
     def prepare_prompt(self, prompt: str, prompt_token_ids: Sequence[int], sampling: tandem_pb2.Sampling,
                        request_id: str = "", default_max_tokens: int | None = 16) -> PreparedRequest:

@@ -21,7 +21,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import orjson
@@ -224,7 +223,7 @@ class HttpApi:
     # -- completions ------------------------------------------------------------------------
 
     def _prepare_completions(self, body: CompletionRequest, prompts, sampling) -> list[PreparedRequest]:
-        base = body.request_id or uuid.uuid4().hex
+        base = body.request_id or self.frontend.new_request_id()
         requests: list[PreparedRequest] = []
         for p, (text, token_ids) in enumerate(prompts):
             suffix = f"-p{p}" if len(prompts) > 1 else ""
@@ -285,7 +284,7 @@ class HttpApi:
 
     def _prepare_chat(self, body: ChatCompletionRequest, messages: list[dict], sampling,
                       tools: ToolRequest | None) -> list[PreparedRequest]:
-        base = body.request_id or uuid.uuid4().hex
+        base = body.request_id or self.frontend.new_request_id()
         messages, template_tools = prompt_inputs(messages, tools, self.frontend.tokenizer.template_takes_tools,
                                                  self.tool_call_parser)
         first = self.frontend.prepare_chat(messages, sampling, f"{base}-0" if body.n > 1 else base,

@@ -88,7 +88,9 @@ class CacheAware:
 
     def choose(self, workers: Sequence[WorkerState], prompt_token_ids: Sequence[int]) -> WorkerState:
         hashes = chunk_hashes(prompt_token_ids, self.chunk_tokens)
-        if self.imbalanced(workers):
+        if len(workers) == 1:
+            chosen = workers[0]
+        elif self.imbalanced(workers):
             chosen = min(workers, key=load_key)
         else:
             matched = {w.address: self._tree(w.address).match(hashes) for w in workers}

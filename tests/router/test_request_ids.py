@@ -53,3 +53,23 @@ def test_a_request_failing_twice_for_the_same_reason_is_not_tried_on_more_worker
         assert "fake decode failure" in err.value.details
         assert sum(len(d.state.seen) for d in cluster.decodes) == 2
     run(loop_thread, tokenizer, body, num_decode=4)
+
+
+def test_requests_without_a_client_id_get_distinct_ids_that_the_client_sees(loop_thread, tokenizer):
+    async def body(cluster):
+        channel = grpc.aio.insecure_channel(cluster.router.grpc_address)
+        stub = tandem_pb2_grpc.TandemStub(channel)
+        request = tandem_pb2.CompletionRequest(prompt_token_ids=[1, 2, 3], sampling=tandem_pb2.Sampling(max_tokens=2))
+        async def one():
+            return [c async for c in stub.Generate(request)]
+        streams = await asyncio.gather(*(one() for _ in range(20)))
+        await channel.close()
+        ids = [{c.request_id for c in chunks} for chunks in streams]
+        assert all(len(one) == 1 for one in ids)   # one id per request, on every chunk
+        ids = [one.pop() for one in ids]
+        assert len(set(ids)) == 20 and all(ids)
+        # The id is a random prefix drawn once per router, then a count.
+        assert len({i[:16] for i in ids}) == 1 and all(len(i) >= 24 for i in ids)
+        workers_see = set(cluster.decodes[0].state.seen)
+        assert {rid.split(".")[0] for rid in workers_see} == set(ids)
+    run(loop_thread, tokenizer, body)
