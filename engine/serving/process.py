@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -94,6 +95,15 @@ def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = N
         parts.close()
 
 
+def freeze_heap() -> None:
+    """Leave what start-up made (the model's modules, the tokenizer, every import) out of the
+    garbage collector's full collections. With SmolLM2 loaded a full collection walks ~300k
+    objects, ~120 ms on 2 vCPUs, holding the GIL and so the engine thread; after this it walks
+    only what serving made."""
+    gc.collect()
+    gc.freeze()
+
+
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -105,6 +115,7 @@ def _follow(role: str, worker: WorkerConfig, configs: tuple[ModelConfig, CacheCo
     def ready() -> None:
         line = {"role": role, "tp_rank": parallel.tp_rank, "tensor_parallel_size": parallel.tensor_parallel_size,
                 "pid": os.getpid(), "grpc": None, "metrics": None}
+        freeze_heap()
         print(READY_PREFIX + json.dumps(line), flush=True)
 
     make_handler = None if follow is None else (lambda runner: follow(worker, runner))
@@ -130,6 +141,7 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
     ready = {"role": role, "grpc": f"{worker.host}:{port}", "pid": os.getpid(),
              "metrics": None if metrics_port is None else f"{worker.host}:{metrics_port}",
              "tp_rank": 0, "tensor_parallel_size": parts.tensor_parallel_size}
+    freeze_heap()
     print(READY_PREFIX + json.dumps(ready), flush=True)
     logger.info("%s worker serving gRPC on %s", role, ready["grpc"])
     code = 0
