@@ -252,6 +252,8 @@ class Dispatcher:
 
     def _start(self, attempt_id: str, progress: _Progress, sampling: worker_pb2.SamplingParams,
                avoid: set[str]) -> Attempt:
+        # A first attempt sends the prepared prompt and params as they are (the messages copy
+        # them); a retry resumes after the output streamed so far.
         prompt, params = progress.prompt_token_ids, sampling
         if progress.output_token_ids or not sampling.HasField("max_tokens"):
             prompt = prompt + progress.output_token_ids
