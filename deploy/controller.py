@@ -65,6 +65,7 @@ STABLE_AFTER_S = 60.0               # a replica up this long has its consecutive
 MAX_BACKOFF_S = 60.0
 CRASHLOOP_AFTER = 3                 # consecutive failures before the state reads "crashloop"
 SYNC_ROUTER_S = 2.0                 # how often the router's membership is checked against ours
+ROUTER_RETRY_S = 5.0                # a router that could not be restarted is tried again after this
 
 
 @dataclass
@@ -77,7 +78,9 @@ class ServeSpec:
     worker_flags: list[str]                  # engine knobs passed to every worker
     router_flags: list[str]                  # --host, ports, policies (not the API key)
     api_key: str = ""
-    router_node_id: str = ""                 # the node `tandem serve` ran on
+    router_node_id: str = ""                 # the node `tandem serve` ran on (the controller's)
+    # Where each role may run (router, prefill, decode): node addresses or hostnames, [] = any.
+    node_sets: dict[str, list[str]] = field(default_factory=dict)
     use_gpu: bool = False
     cpus_per_rank: float = 0.1
     router_cpus: float = 0.1
@@ -92,6 +95,18 @@ class ServeSpec:
 
     def secret_env(self) -> dict[str, str]:
         return {SECRET_ENV: self.cluster_secret} if self.cluster_secret else {}
+
+
+NODE_ID_LABEL = "ray.io/node-id"        # a label every Ray node has
+
+
+def matching_nodes(selectors: list[str], nodes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The alive nodes of ``ray.nodes()`` whose address or hostname is in ``selectors`` (all
+    alive nodes when it is empty)."""
+    alive = [n for n in nodes if n["Alive"]]
+    if not selectors:
+        return alive
+    return [n for n in alive if n["NodeManagerAddress"] in selectors or n["NodeManagerHostname"] in selectors]
 
 
 # -- the process host: one per worker rank, one for the router -------------------------------
@@ -247,6 +262,7 @@ class Controller:
         self.replicas: list[Replica] = []
         self.router: dict[str, Any] = {}
         self._router_host = None
+        self._router_retry_at = 0.0
         self._stub: tandem_pb2_grpc.TandemStub | None = None
         self._admin: SecretStub | None = None
         self._channel: grpc.Channel | None = None
@@ -326,10 +342,11 @@ class Controller:
 
     def _start_router(self) -> None:
         spec = self.spec
+        node_id = self._router_node_id()
         host = ProcessHost.options(
             **HOST_OPTIONS, num_cpus=spec.router_cpus, name=None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(spec.router_node_id, soft=False)
-            if spec.router_node_id else "DEFAULT").remote("router")
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+            if node_id else "DEFAULT").remote("router")
         argv = [sys.executable, "-m", "router", "--model", spec.model, *spec.router_flags]
         env = {**({"TANDEM_API_KEY": spec.api_key} if spec.api_key else {}), **spec.secret_env()}
         pid = ray.get(host.start.remote(argv, ROUTER_READY_PREFIX, env))
@@ -347,16 +364,28 @@ class Controller:
             if address and flag in spec.router_flags:
                 spec.router_flags[spec.router_flags.index(flag) + 1] = address.rsplit(":", 1)[1]
         node = ray.get(host.node.remote())
-        self.router = {"http": info["http"], "grpc": info["grpc"], "node": node["ip"], "pid": pid}
+        self.router = {"http": info["http"], "grpc": info["grpc"], "node": node["ip"], "pid": pid,
+                       "state": "running", "error": None}
         if self._channel is not None:
             self._channel.close()
         port = info["grpc"].rsplit(":", 1)[1]
         bind = info["grpc"].rsplit(":", 1)[0]
-        target = f"127.0.0.1:{port}" if bind in ("0.0.0.0", "[::]", "::") else info["grpc"]
+        target = f"{node['ip']}:{port}" if bind in ("0.0.0.0", "[::]", "::") else info["grpc"]
         self._channel = grpc.insecure_channel(target)
         self._stub = tandem_pb2_grpc.TandemStub(self._channel)
         self._admin = SecretStub(admin_pb2_grpc.AdminStub(self._channel), spec.cluster_secret)
         logger.info("router ready: http %s, grpc %s", info["http"], info["grpc"])
+
+    def _router_node_id(self) -> str:
+        """The node the router runs on: the first alive node of ``--router-node``, else the one
+        ``tandem serve`` ran on."""
+        selectors = self.spec.node_sets.get("router", [])
+        if not selectors:
+            return self.spec.router_node_id
+        nodes = matching_nodes(selectors, ray.nodes())
+        if not nodes:
+            raise RuntimeError(f"no node of --router-node {','.join(selectors)} is alive")
+        return nodes[0]["NodeID"]
 
     def _router_stub(self) -> tandem_pb2_grpc.TandemStub:
         if self._stub is None:
@@ -409,20 +438,37 @@ class Controller:
                 logger.exception("reconcile tick failed")
 
     def _check_router(self) -> None:
-        try:
-            code = ray.get(self._router_host.returncode.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            code = -9
-        except ray.exceptions.GetTimeoutError:
+        """Restart the router when it died (its process, or its node); while it cannot be
+        restarted (its node is gone), ``status`` shows it down with the reason, retried every
+        ROUTER_RETRY_S."""
+        if self._router_host is not None:
+            try:
+                code = ray.get(self._router_host.returncode.remote(), timeout=10)
+                error = f"the router exited with code {code}"
+            except ray.exceptions.RayActorError as exc:
+                code, error = -9, f"the router's process host died: {str(exc).strip().splitlines()[0]}"
+            except ray.exceptions.GetTimeoutError:
+                return
+            if code is None:
+                return
+            logger.error("%s; restarting it", error)
+            try:
+                ray.kill(self._router_host)
+            except Exception:  # noqa: BLE001
+                pass
+            self._router_host = None
+            self.router.update(state="down", error=error, pid=None, lost_at=time.time())
+        if time.monotonic() < self._router_retry_at:
             return
-        if code is None:
-            return
-        logger.error("the router exited (code %s); restarting it", code)
         try:
-            ray.kill(self._router_host)
-        except Exception:  # noqa: BLE001
-            pass
-        self._start_router()
+            self._start_router()
+        except Exception as exc:  # noqa: BLE001 - keep serving status and retry
+            self._router_retry_at = time.monotonic() + ROUTER_RETRY_S
+            reason = self.router.get("error") or "the router is down"
+            self.router.update(state="down", error=f"{reason.split('; restart failed')[0]}; restart failed: "
+                                                   f"{remote_error(exc, ('RuntimeError',))}")
+            logger.error("%s", self.router["error"])
+            return
         self._sync_router()
 
     def _sync_router(self) -> None:
@@ -549,16 +595,48 @@ class Controller:
             return
         logger.info("%s worker %s is serving at %s (pid %s, node %s)", r.role, r.id, r.address, r.pids[0], r.node)
 
-    def _launch(self, r: Replica) -> None:
+    def _placement_group(self, r: Replica) -> tuple[Any, tuple[str, ...]]:
+        """A placement group for ``r``'s ranks on one node of its role's node set (alive now),
+        and the ids of the nodes it may use; (None, ()) while no node of the set is alive."""
+        selectors = self.spec.node_sets.get(r.role, [])
+        labels = None
+        ids: tuple[str, ...] = ()
+        if selectors:
+            ids = tuple(sorted(n["NodeID"] for n in matching_nodes(selectors, ray.nodes())))
+            if not ids:
+                return None, ()
+            labels = [{NODE_ID_LABEL: f"in({','.join(ids)})"}] * r.tp
+        pg = placement_group([self._bundle() for _ in range(r.tp)], strategy="STRICT_PACK", name=f"tandem-{r.id}",
+                             bundle_label_selector=labels)
+        return pg, ids
+
+    def _place(self, r: Replica) -> None:
+        """Wait until ``r``'s placement group is placed. A node of its set that dies or comes back
+        (with a new node id) while it waits gets a new placement group over the nodes alive now."""
         spec = self.spec
-        r.pg = placement_group([self._bundle() for _ in range(r.tp)], strategy="STRICT_PACK", name=f"tandem-{r.id}")
+        selectors = spec.node_sets.get(r.role, [])
+        r.pg, ids = self._placement_group(r)
         waited = 0.0
-        while not self._ready_or_stop(r.pg.ready(), 5.0):
+        while r.pg is None or not self._ready_or_stop(r.pg.ready(), 5.0):
+            if r.pg is None:
+                self._ready_or_stop(None, 5.0)
             waited += 5.0
-            r.last_error = (f"waiting {waited:.0f} s for resources: {r.tp} x {self._bundle()} on one node "
-                            f"(cluster has {ray.available_resources()})")
+            where = f" on a node of --{r.role}-nodes {','.join(selectors)}" if selectors else " on one node"
+            r.last_error = (f"waiting {waited:.0f} s for resources: {r.tp} x {self._bundle()}{where} "
+                            + ("(none of them is alive)" if r.pg is None
+                               else f"(cluster has {ray.available_resources()})"))
             if waited >= spec.start_timeout_s:
                 raise RuntimeError(r.last_error)
+            if selectors:
+                now = tuple(sorted(n["NodeID"] for n in matching_nodes(selectors, ray.nodes())))
+                if now != ids:
+                    if r.pg is not None:
+                        remove_placement_group(r.pg)
+                    r.pg, ids = self._placement_group(r)
+
+    def _launch(self, r: Replica) -> None:
+        spec = self.spec
+        self._place(r)
         strategy = [PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=i) for i in range(r.tp)]
         bundle = self._bundle()
         r.hosts = [ProcessHost.options(**HOST_OPTIONS, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
@@ -567,7 +645,11 @@ class Controller:
         node = ray.get(r.hosts[0].node.remote())
         r.node = node["ip"]
         with self._lock:
-            ranks = {role: self.desired[role] * spec.tp[role] for role in ROLES}
+            if spec.internal_host:       # one node: every rank of the deployment shares its cores
+                ranks = {role: self.desired[role] * spec.tp[role] for role in ROLES}
+            else:                        # several: the ranks placed on this replica's node
+                ranks = {role: sum(x.tp for x in self.replicas if x.role == role and x.node == r.node)
+                         for role in ROLES}
         dist_port = ray.get(r.hosts[0].free_port.remote()) if r.tp > 1 else None
         argvs = worker_argvs(spec, r.role, r.tp, node, ranks, dist_port)
         nice = spec.prefill_nice if r.role == "prefill" and not spec.use_gpu else 0
@@ -600,7 +682,11 @@ class Controller:
             time.sleep(0.2)
 
     def _ready_or_stop(self, ref, timeout_s: float) -> bool:
-        ready, _ = ray.wait([ref], timeout=timeout_s)
+        if ref is None:
+            self._stopping.wait(timeout_s)
+            ready = []
+        else:
+            ready, _ = ray.wait([ref], timeout=timeout_s)
         if self._stopping.is_set():
             raise RuntimeError("stopped while waiting for resources")
         return bool(ready)

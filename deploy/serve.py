@@ -60,6 +60,13 @@ def _address_arg(p: argparse.ArgumentParser, serve: bool) -> None:
                         + (", else a new local one" if serve else ""))
 
 
+def _node_list(text: str) -> list[str]:
+    nodes = [n.strip() for n in text.split(",") if n.strip()]
+    if not nodes:
+        raise argparse.ArgumentTypeError("give node addresses or hostnames, comma-separated")
+    return nodes
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     d = RouterConfig()
     p = sub.add_parser("serve", help="serve a model: router + prefill and decode workers on Ray",
@@ -103,6 +110,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="torch threads per decode rank on CPU-only clusters (default 0: the node's cores / its "
                         "worker ranks, or / its decode ranks while local prefill is on)")
     p.add_argument("--start-timeout-s", type=float, default=900.0, help="give up on a worker not ready by then")
+    p.add_argument("--prefill-nodes", type=_node_list, default=[], metavar="ADDR[,ADDR...]",
+                   help="run prefill replicas only on these Ray nodes (node IP addresses or hostnames; default: any)")
+    p.add_argument("--decode-nodes", type=_node_list, default=[], metavar="ADDR[,ADDR...]",
+                   help="run decode replicas only on these Ray nodes (default: any)")
+    p.add_argument("--router-node", type=_node_list, default=[], metavar="ADDR",
+                   help="run the router on this Ray node (default: the node `tandem serve` runs on, where the "
+                        "controller runs); the router must then listen where the controller reaches it "
+                        "(--host 0.0.0.0 or that node's address)")
     p.add_argument("--prometheus-sd-file", default=DEFAULT_SD_FILE, metavar="PATH",
                    help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
                         f"keeps current on this node, for deploy/prometheus/prometheus.yml (default "
@@ -267,11 +282,22 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
     if not detach:
         ray.init(include_dashboard=False, **quiet)   # lives as long as this process
         return False
+    # Token authentication (Ray >= 2.52): without the token in ~/.ray/auth_token, which `ray start`
+    # makes on first use and which never appears on a command line, nothing can join or use the
+    # cluster; the deployment's secrets travel in actor arguments, so reaching Ray is owning it.
+    os.environ["RAY_AUTH_MODE"] = "token"
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    if not (Path.home() / ".ray" / "auth_token").exists():
+        made = subprocess.run([ray_bin, "get-auth-token", "--generate"], capture_output=True, text=True)  # prints it
+        if made.returncode != 0:
+            raise ServeError(f"`ray get-auth-token --generate` failed:\n{made.stderr}")
+        (Path.home() / ".ray" / "auth_token").chmod(0o600)     # Ray writes it readable by all
     done = subprocess.run([ray_bin, "start", "--head", "--include-dashboard=false", "--disable-usage-stats"],
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise ServeError(f"`ray start --head` failed:\n{done.stdout}{done.stderr}")
+    from ray._raylet import Config
+    Config.initialize("")        # this process imported ray before the mode was set: re-read it
     ray.init(address="auto", **quiet)
     return True
 
@@ -286,6 +312,24 @@ def _controller():
     except ValueError:
         raise ServeError("no Tandem deployment is running on this Ray cluster "
                          "(start one with `tandem serve`)") from None
+
+
+def check_node_sets(node_sets: dict[str, list[str]], nodes: list[dict], router_host: str) -> None:
+    """Every --prefill-nodes / --decode-nodes / --router-node entry names an alive Ray node, and a
+    router placed away from the controller listens beyond loopback."""
+    from deploy.controller import matching_nodes
+
+    known = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeManagerHostname']})" for n in nodes if n["Alive"])
+    for role, selectors in node_sets.items():
+        for selector in selectors:
+            if not matching_nodes([selector], nodes):
+                raise ServeError(f"--{role}-node{'' if role == 'router' else 's'}: no alive Ray node is {selector!r}; "
+                                 f"the cluster has {known}")
+    if len(node_sets.get("router", [])) > 1:
+        raise ServeError("--router-node takes one node")
+    if node_sets.get("router") and router_host.startswith("127."):
+        raise ServeError(f"--router-node with --host {router_host}: the controller, on this node, could not reach "
+                         "the router; give --host 0.0.0.0 (with --api-key) or the router node's address")
 
 
 def local_prefill_max_tokens(flag: int | None, use_gpu: bool, num_nodes: int) -> int:
@@ -344,6 +388,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                          "stop it with `tandem down`")
     use_gpu = args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     alive_nodes = [n for n in ray.nodes() if n["Alive"]]
+    node_sets = {"router": args.router_node, "prefill": args.prefill_nodes, "decode": args.decode_nodes}
+    check_node_sets(node_sets, alive_nodes, args.host)
     local_prefill = local_prefill_max_tokens(args.local_prefill_max_tokens, use_gpu, len(alive_nodes))
     if not use_gpu and len(alive_nodes) == 1:
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"], model_path)
@@ -360,6 +406,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
     spec = ServeSpec(model=args.model, replicas={"prefill": args.prefill, "decode": args.decode}, tp=tp,
                      worker_flags=knobs, router_flags=router_flags,
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
+                     node_sets={role: nodes for role, nodes in node_sets.items() if nodes},
                      use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
                      start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
                      internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice,
@@ -447,13 +494,15 @@ def _wait_settled(controller, timeout_s: float, role: str | None = None, count: 
 def render_status(status: dict) -> str:
     r = status["router"]
     lines = [f"model {status['model']}; router HTTP http://{r.get('http')}/v1, gRPC {r.get('grpc')} "
-             f"(pid {r.get('pid')}, node {r.get('node')}); desired {status['desired']}",
+             f"(pid {r.get('pid')}, node {r.get('node')}, {r.get('state', 'running')}); desired {status['desired']}",
              f"{'ID':<11} {'ROLE':<8} {'STATE':<10} {'ADDRESS':<22} {'PID':>7} {'NODE':<15} {'RUN':>4} {'WAIT':>5} "
              f"{'KV':>6} {'REQS':>6} {'RESTARTS':>8}"]
     for w in status["workers"]:
         lines.append(f"{w['id']:<11} {w['role']:<8} {w['state']:<10} {w['address'] or '-':<22} {w['pid'] or '-':>7} "
                      f"{w['node'] or '-':<15} {w['num_running']:>4} {w['num_waiting']:>5} "
                      f"{100 * w['kv_usage']:>5.1f}% {w['num_requests']:>6} {w['restarts']:>8}")
+    if r.get("error"):
+        lines.append(f"router: {r['error']}")
     for w in status["workers"]:
         if w["error"]:
             lines.append(f"{w['id']}: {w['error']}")

@@ -55,7 +55,7 @@ class PrivateSshd:
         self._make_keys_and_config()
         with open(self._log, "wb") as log:  # sshd -e: its log goes to stderr
             self._proc = subprocess.Popen(
-                [shutil.which("sshd", path=_SSHD_SEARCH_PATH), "-D", "-e", "-f", str(root / "sshd_config")],
+                [sshd_binary(), "-D", "-e", "-f", str(root / "sshd_config")],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
         try:
             self._wait_until_login_works(start_timeout_s)
@@ -66,30 +66,11 @@ class PrivateSshd:
     def _make_keys_and_config(self) -> None:
         self.home.mkdir(parents=True)
         (self.home / ".bashrc").touch()  # Ray's commands source it
-        keygen = shutil.which("ssh-keygen", path=_SSHD_SEARCH_PATH)
-        for key in (self.root / "host_key", self.client_key):
-            subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+        make_keys(self.root, "host_key", "client_key")
         (self.root / "authorized_keys").write_text((self.root / "client_key.pub").read_text())
-        if os.geteuid() == 0:
-            # A root sshd refuses to start without its privilege-separation directory, which
-            # only the system's ssh service creates.
-            Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
-        (self.root / "sshd_config").write_text("\n".join([
-            f"ListenAddress 127.0.0.1:{self.port}",
-            f"HostKey {self.root / 'host_key'}",
-            f"PidFile {self.root / 'sshd.pid'}",
-            f"AuthorizedKeysFile {self.root / 'authorized_keys'}",
-            f"AllowUsers {self.user}",
-            "PubkeyAuthentication yes",
-            "PasswordAuthentication no",
-            "KbdInteractiveAuthentication no",
-            "PermitRootLogin prohibit-password",
-            "UsePAM no",
-            # The keys live under /tmp, which is world-writable; StrictModes would reject them.
-            "StrictModes no",
-            f"SetEnv HOME={self.home}",
-            "",
-        ]))
+        (self.root / "sshd_config").write_text(sshd_config(
+            f"127.0.0.1:{self.port}", self.root / "host_key", self.root / "sshd.pid",
+            self.root / "authorized_keys", self.user, self.home))
 
     def ssh_command(self, *remote: str) -> list[str]:
         return [shutil.which("ssh", path=_SSHD_SEARCH_PATH), "-i", str(self.client_key),
@@ -128,6 +109,44 @@ class PrivateSshd:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def make_keys(root: Path, *names: str) -> None:
+    """Throwaway ed25519 key pairs root/<name> and root/<name>.pub (no passphrase)."""
+    keygen = shutil.which("ssh-keygen", path=_SSHD_SEARCH_PATH)
+    for name in names:
+        subprocess.run([keygen, "-q", "-t", "ed25519", "-N", "", "-f", str(root / name)], check=True)
+
+
+def sshd_config(listen: str, host_key: Path, pid_file: Path, authorized_keys: Path, user: str, home: Path) -> str:
+    """An sshd_config for key login as ``user`` only, every session with HOME=``home``."""
+    if os.geteuid() == 0:
+        # A root sshd refuses to start without its privilege-separation directory, which
+        # only the system's ssh service creates.
+        Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)
+    return "\n".join([
+        f"ListenAddress {listen}",
+        f"HostKey {host_key}",
+        f"PidFile {pid_file}",
+        f"AuthorizedKeysFile {authorized_keys}",
+        f"AllowUsers {user}",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PermitRootLogin prohibit-password",
+        "UsePAM no",
+        # The keys live under /tmp, which is world-writable; StrictModes would reject them.
+        "StrictModes no",
+        f"SetEnv HOME={home}",
+        "",
+    ])
+
+
+def sshd_binary() -> str:
+    found = shutil.which("sshd", path=_SSHD_SEARCH_PATH)
+    if found is None:
+        raise RuntimeError("sshd is not installed (apt-get install openssh-server)")
+    return found
 
 
 def process_table() -> dict[int, tuple[int, bytes]]:

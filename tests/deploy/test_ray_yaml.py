@@ -98,9 +98,21 @@ def test_every_node_installs_tandem_with_the_project_installer(path):
     config = _ray_checked(_load(path))
     for role in ("head_setup_commands", "worker_setup_commands"):
         assert any("bash scripts/setup.sh" in cmd for cmd in config[role]), role
-    # The checkout the installer runs in is shipped from the directory `ray up` runs in.
-    for local in config["file_mounts"].values():
-        assert (REPO_ROOT / local).exists(), local
+    # The checkout the installer runs in is shipped from the directory `ray up` runs in, and
+    # every node gets the launching machine's Ray token.
+    assert config["file_mounts"]["~/tandem"] == "."
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+
+
+@pytest.mark.parametrize("path", CLUSTER_YAMLS, ids=lambda p: p.relative_to(REPO_ROOT).as_posix())
+def test_every_ray_start_uses_token_authentication(path):
+    config = _load(path)
+    starts = [cmd for role in ("head_start_ray_commands", "worker_start_ray_commands") for cmd in config[role]
+              if "ray start" in cmd or "tandem serve" in cmd or "wait_for_nodes" in cmd]
+    assert len(starts) == 4, starts
+    for cmd in starts:
+        assert "RAY_AUTH_MODE=token " in cmd, cmd
+    assert any("export RAY_AUTH_MODE=token" in cmd for cmd in config["setup_commands"])
 
 
 @pytest.mark.parametrize("name, nodes", [("cluster-local.yaml", 3), ("cluster-gpu.yaml", 4)])
