@@ -35,6 +35,12 @@ class WorkerMetrics:
                                       "itself (no prefill worker: conditional disaggregation)")
         self.retractions = counter("tandem_num_retractions", "decode requests retracted for lack of blocks")
         self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes", "KV bytes shipped or received")
+        self.kv_received_bytes = counter("tandem_kv_received_bytes",
+                                         "decode: KV payload bytes that arrived over the network (tcp backend; "
+                                         "shm and cuda-ipc writes land in the pool without passing the receiver)")
+        self.kv_messages_rejected = counter("tandem_kv_messages_rejected",
+                                            "decode: kvtransfer messages the receiver refused (bad header, size, "
+                                            "blocks or sender)")
         self.kv_transfer_failures = counter("tandem_kv_transfer_failures",
                                             "KV transfers that failed (lease expired, peer gone, rejected)")
         self.kv_transfer_seconds = Histogram(

@@ -51,6 +51,17 @@ from tests.deploy.sshd import make_keys, missing_binaries, sshd_binary, sshd_con
 SUBNET_PREFIX = "10.213"          # nodes get 10.213.<k>.<10 + i>, outsiders .<200 + i>, this host .1
 REGISTRY = Path("/run/tandem-netns")   # <id>.pid: the owner of each live cluster
 PARTITION_MAC = "02:00:00:de:ad:01"  # locally administered; no interface here has it
+# The PID 1 of a node: runs its argument vector and reaps every process that ends up its child
+# (orphans of the node are reparented to it); exits, taking the node down, once none is left.
+INIT = """
+import os, sys
+os.spawnvp(os.P_NOWAIT, sys.argv[1], sys.argv[1:])
+while True:
+    try:
+        os.wait()
+    except ChildProcessError:
+        break
+"""
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 SSH_OPTIONS = ("-o", "StrictHostKeyChecking=no", "-o", f"UserKnownHostsFile={os.devnull}",
                "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10")
@@ -95,7 +106,8 @@ class Node:
     host_veth: str            # this namespace's end of the node's link (on the bridge)
     root: Path                # the node's own files: home/, tmp-ray/, sshd.log
     ssh: bool = True          # False: an outsider (no sshd, nothing running)
-    keeper: subprocess.Popen | None = field(default=None, repr=False)
+    keeper: subprocess.Popen | None = field(default=None, repr=False)   # `unshare`, the init's parent
+    init_pid: int = 0         # the node's PID 1, as this namespace sees it
 
     @property
     def home(self) -> Path:
@@ -175,8 +187,9 @@ class NetnsCluster:
         return node
 
     def _boot(self, node: Node) -> None:
-        """Start the node's first process in fresh mount and UTS namespaces inside its network
-        namespace: its own /dev/shm, /tmp/ray and hostname, then sshd (an outsider: sleep)."""
+        """Start the node's first process in fresh PID, mount and UTS namespaces inside its network
+        namespace: its own process table (so `ray stop` on one node stops only that node's Ray),
+        /dev/shm, /tmp/ray and hostname, then sshd (an outsider: nothing)."""
         for stale in (node.root / "tmp-ray").iterdir():
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
         Path("/tmp/ray").mkdir(exist_ok=True)       # the mount point (this namespace's stays as it was)
@@ -185,10 +198,27 @@ class NetnsCluster:
                   f"&& hostname {node.name} && {first}")
         with open(node.root / "sshd.log", "ab") as log:
             node.keeper = subprocess.Popen(
-                ["ip", "netns", "exec", node.name, "unshare", "--mount", "--uts", "--propagation", "private",
-                 "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+                ["ip", "netns", "exec", node.name, "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",
+                 "--propagation", "private", sys.executable, "-c", INIT, "sh", "-c", script],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        node.init_pid = self._init_pid(node)
         if node.ssh:
             self._wait_for_login(node)
+
+    def _init_pid(self, node: Node, timeout_s: float = 10.0) -> int:
+        """The pid (as seen here) of the node's PID 1: the child `unshare --fork` made."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if node.keeper is None or node.keeper.poll() is not None:
+                raise NetnsError(f"{node.name} did not boot: {(node.root / 'sshd.log').read_text(errors='replace')}")
+            try:
+                children = Path(f"/proc/{node.keeper.pid}/task/{node.keeper.pid}/children").read_text().split()
+            except OSError:
+                children = []
+            if children:
+                return int(children[0])
+            time.sleep(0.02)
+        raise NetnsError(f"{node.name}: no init process after {timeout_s} s")
 
     def _wait_for_login(self, node: Node) -> None:
         deadline = time.monotonic() + self.start_timeout_s
@@ -220,10 +250,21 @@ class NetnsCluster:
         """``argv`` as a command that runs inside ``node``'s namespaces (network, mount, hostname)."""
         if not node.alive:
             raise NetnsError(f"{node.name} is down")
-        return ["nsenter", "--target", str(node.keeper.pid), "--net", "--mount", "--uts", "--", *argv]
+        return ["nsenter", "--target", str(node.init_pid), "--net", "--mount", "--uts", "--pid", "--", *argv]
 
     def pids(self, node: Node) -> list[int]:
         return [int(p) for p in _run("ip", "netns", "pids", node.name, check=False).stdout.split()]
+
+    def freeze(self, node: Node) -> list[int]:
+        """SIGSTOP every process in ``node``: it stops answering mid-whatever, as a hung machine
+        does (``kill`` after it is a power cut at that instant)."""
+        pids = self.pids(node)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def kill(self, node: Node, timeout_s: float = 20.0) -> int:
         """SIGKILL every process in ``node`` (a power cut); returns how many there were."""
@@ -344,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     root = args.root or Path(tempfile.mkdtemp(prefix="tandem-netns-"))
     with NetnsCluster(root, args.nodes, args.outsiders) as cluster:
         for node in cluster.nodes + cluster.outsiders:
-            print(f"{node.name}  {node.ip}" + ("  (outsider)" if not node.ssh else ""))
+            print(f"{node.name}  {node.ip}  init pid {node.init_pid}" + ("  (outsider)" if not node.ssh else ""))
         print(f"log in: ssh -i {cluster.client_key} {cluster.user}@{cluster.nodes[0].ip}" if cluster.nodes else "")
-        print(f"run in a node: nsenter --target <pid of its first process> --net --mount --uts -- CMD; "
+        print(f"run in a node: nsenter --target <its init pid> --net --mount --uts --pid -- CMD; "
               f"files under {root}; Ctrl-C removes everything", flush=True)
         try:
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
