@@ -1,13 +1,16 @@
 """A cluster of machines on this one: Linux network namespaces on a private bridge (docs/cluster.md).
 
 Each **node** is a network namespace with its own address on a veth pair to a bridge, plus its
-own mount and UTS namespaces: its own hostname (so Tandem's "same host" test -- hostname and
-boot id -- tells nodes apart and picks the tcp KV backend between them), its own ``/dev/shm``
+own mount, PID and UTS namespaces: its own hostname (so Tandem's "same host" test -- hostname and
+boot id -- tells nodes apart and picks the tcp KV backend between them), its own process table
+(a PID namespace: ``ray stop`` on one node stops only that node's Ray), its own ``/dev/shm``
 (a fresh tmpfs: no node maps another's KV pool) and its own ``/tmp/ray`` (a Ray node each). Its
 first process is an ``sshd`` on port 22 of the node's address that logs in one throwaway key as
-the current user, with ``HOME`` set to the node's own home folder: what ``ray up`` installs under
-``~`` (the checkout, the bootstrap config, Ray's token) lands per node. The rest of the file
-system is shared, as an NFS home would be.
+the current user. The user's home directory is the node's own (a folder of the harness bound
+over it in the node's mount namespace, so ``~`` means it for every program, ssh's ``-i ~/...``
+included): what ``ray up`` installs under ``~`` (the checkout, the bootstrap key and config,
+Ray's token) lands per node. The rest of the file system is shared, as an NFS mount would be,
+and so are the folders under the home given as ``keep`` (and this Python's installation).
 
 The bridge has an address (``.1``) in this namespace, so this process reaches every node
 directly (``ray up``, ssh, HTTP); no node has a route anywhere but the bridge, which leads
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -121,11 +125,13 @@ class Node:
 class NetnsCluster:
     """``nodes`` nodes and ``outsiders`` outsiders on one bridge; see the module docstring.
 
-    ``env`` is set in every ssh session on the nodes (sshd SetEnv), beside HOME.
+    ``env`` is set in every ssh session on the nodes (sshd SetEnv). ``keep``: folders under the
+    user's home that every node still shares (a checkout, a cache); this Python's installation
+    always is.
     """
 
     def __init__(self, root: Path, nodes: int, outsiders: int = 0, env: dict[str, str] | None = None,
-                 start_timeout_s: float = 30.0) -> None:
+                 keep: list[Path] = (), start_timeout_s: float = 30.0) -> None:
         why = missing_requirements()
         if why:
             raise NetnsError(why)
@@ -133,6 +139,9 @@ class NetnsCluster:
         self.root = root
         self.id = secrets.token_hex(2)
         self.user = getpass.getuser()
+        self.home = Path(pwd.getpwuid(os.getuid()).pw_dir)   # each node mounts its own home here
+        wanted = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, *keep)}
+        self.keep = sorted(p for p in wanted if p.is_relative_to(self.home) and p != self.home)
         self.env = dict(env or {})
         self.bridge = f"tdm{self.id}br"
         self.client_key = root / "client_key"
@@ -183,7 +192,7 @@ class NetnsCluster:
         if ssh:
             (node.root / "sshd_config").write_text(sshd_config(
                 f"{ip}:22", self.root / "host_key", node.root / "sshd.pid", self.root / "authorized_keys",
-                self.user, node.home) + "".join(f"SetEnv {k}={v}\n" for k, v in self.env.items()))
+                self.user, self.home) + "".join(f"SetEnv {k}={v}\n" for k, v in self.env.items()))
         return node
 
     def _boot(self, node: Node) -> None:
@@ -194,8 +203,13 @@ class NetnsCluster:
             shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink()
         Path("/tmp/ray").mkdir(exist_ok=True)       # the mount point (this namespace's stays as it was)
         first = f"exec {sshd_binary()} -D -e -f {node.root / 'sshd_config'}" if node.ssh else "exec sleep infinity"
+        keep = ""
+        for path in self.keep:                        # bound into the node's home, then the home over ~
+            inside = node.home / path.relative_to(self.home)
+            inside.mkdir(parents=True, exist_ok=True)
+            keep += f"mount --bind {path} {inside} && "
         script = (f"mount -t tmpfs -o mode=1777 tmpfs /dev/shm && mount --bind {node.root / 'tmp-ray'} /tmp/ray "
-                  f"&& hostname {node.name} && {first}")
+                  f"&& {keep}mount --rbind {node.home} {self.home} && hostname {node.name} && {first}")
         with open(node.root / "sshd.log", "ab") as log:
             node.keeper = subprocess.Popen(
                 ["ip", "netns", "exec", node.name, "unshare", "--mount", "--uts", "--pid", "--fork", "--mount-proc",

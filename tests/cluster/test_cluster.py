@@ -62,9 +62,12 @@ class Deployment:
     def __init__(self, root: Path, model: Path) -> None:
         self.root = root
         self.model = model
-        cache = os.environ.get("TANDEM_CACHE_DIR") or str(Path.home() / ".cache" / "tandem")
-        # The nodes share this machine's compiled CPU kernels (a real node compiles its own).
-        self.net = NetnsCluster(root / "net", nodes=5, outsiders=1, env={"TANDEM_CACHE_DIR": cache})
+        cache = Path(os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem")
+        cache.mkdir(parents=True, exist_ok=True)
+        # The nodes share the checkout (with its venv) and this machine's compiled CPU kernels
+        # (a real node would build its own: minutes of compiling on 2 cores).
+        self.net = NetnsCluster(root / "net", nodes=5, outsiders=1, keep=[REPO_ROOT, cache],
+                                env={"TANDEM_CACHE_DIR": str(cache)} if "TANDEM_CACHE_DIR" in os.environ else {})
         self.head, self.n1, self.n2, self.n3, self.n4 = self.net.nodes
         self.outsider = self.net.outsiders[0]
         self.launcher_home = root / "launcher-home"     # `ray up` runs with HOME here: ~/.ray/auth_token
