@@ -46,8 +46,10 @@ all layers after the forward (``_ship``). With the CPU's --chunked-prefill-size 
 4096-token prompt takes 8 chunks and only the last one's compute can hide the transfer; a
 prompt of one chunk starts computing on its Submit, before the destination comes, and gets no
 overlap (try --prompt-tokens 512, or --chunked-prefill-size 4096). The cores the workers share
-also run the transfer's encryption and copies on both nodes. Requests run one at a time; the
-load average is printed, as other work on the machine shows up as noise.
+also run the transfer's encryption and copies on both nodes. Each KV pool holds two of the
+longest requests, and an uncounted warm-up allocates each of its blocks once, so no point pays
+the pools' first-touch page faults. Requests run one at a time; the load average is printed,
+as other work on the machine shows up as noise.
 """
 from __future__ import annotations
 
@@ -86,6 +88,7 @@ from tests.cluster.netns import NetnsCluster, Node, missing_requirements  # noqa
 
 CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 BLOCK_SIZE = 16   # the workers' --block-size default: a repeated prompt hits all but its last block
+WARMUP_PAIRS = 2  # per prompt length: allocate every block of both pools once (first-touch page faults)
 PROXY_VARIABLES = ("http_proxy", "https_proxy", "all_proxy", "grpc_proxy")
 
 
@@ -112,8 +115,11 @@ class Services:
 
 # -- the cluster ---------------------------------------------------------------------------------
 def worker_argv(cluster: NetnsCluster, node: Node, role: str, args: argparse.Namespace) -> list[str]:
+    """Its node's address, ports picked; a KV pool of two longest requests (see WARMUP_PAIRS)."""
+    max_model_len = max(args.prompt_tokens) + args.max_tokens
+    num_blocks = 2 * -(-max_model_len // BLOCK_SIZE)
     flags = ["--model", args.model, "--host", node.ip, "--port", "0", "--num-threads", str(args.num_threads),
-             "--max-model-len", str(max(args.prompt_tokens) + args.max_tokens),
+             "--max-model-len", str(max_model_len), "--num-gpu-blocks-override", str(num_blocks),
              "--chunked-prefill-size", str(args.chunked_prefill_size)]
     return cluster.exec_argv(node, [sys.executable, "-m", f"{role}_worker", *flags])
 
@@ -316,7 +322,7 @@ def run(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path, secret: 
         with TandemClient(services.router.info["grpc"], timeout_s=300.0) as client:
             wait_healthy(client)
             for num_tokens in args.prompt_tokens:   # warm-up, uncapped, not counted
-                measure_point(client, metrics, rng, num_tokens, 1, args.max_tokens)
+                measure_point(client, metrics, rng, num_tokens, WARMUP_PAIRS, args.max_tokens)
             for mbit in args.rates:
                 set_rate(cluster, mbit)
                 for num_tokens in args.prompt_tokens:
