@@ -146,3 +146,38 @@ def test_local_prefill_is_on_by_default_only_on_one_cpu_node():
     assert local_prefill_max_tokens(None, use_gpu=False, num_nodes=2) == 0
     assert local_prefill_max_tokens(0, use_gpu=False, num_nodes=1) == 0
     assert local_prefill_max_tokens(512, use_gpu=True, num_nodes=3) == 512
+
+
+NODES = [{"NodeID": "a" * 56, "NodeManagerAddress": "10.0.0.10", "NodeManagerHostname": "head", "Alive": True},
+         {"NodeID": "b" * 56, "NodeManagerAddress": "10.0.0.11", "NodeManagerHostname": "gpu-1", "Alive": True},
+         {"NodeID": "c" * 56, "NodeManagerAddress": "10.0.0.12", "NodeManagerHostname": "gpu-2", "Alive": False}]
+
+
+def test_a_role_is_placed_on_the_alive_nodes_named_by_address_or_hostname():
+    from deploy.controller import matching_nodes
+
+    assert [n["NodeManagerHostname"] for n in matching_nodes([], NODES)] == ["head", "gpu-1"]
+    assert [n["NodeManagerHostname"] for n in matching_nodes(["gpu-1", "10.0.0.10"], NODES)] == ["head", "gpu-1"]
+    assert matching_nodes(["10.0.0.12"], NODES) == []       # dead: waited for, not placed on
+
+
+def test_node_flags_must_name_alive_nodes_and_a_remote_router_must_listen_beyond_loopback():
+    assert parse("--decode-nodes", "gpu-1,10.0.0.10").decode_nodes == ["gpu-1", "10.0.0.10"]
+    serve.check_node_sets({"prefill": ["head"], "decode": ["gpu-1"], "router": ["gpu-1"]}, NODES, "0.0.0.0")
+    with pytest.raises(serve.ServeError, match=r"--decode-nodes: no alive Ray node is 'gpu-2'; the cluster has "
+                                               r"10.0.0.10 \(head\), 10.0.0.11 \(gpu-1\)"):
+        serve.check_node_sets({"decode": ["gpu-2"]}, NODES, "127.0.0.1")
+    with pytest.raises(serve.ServeError, match="--router-node with --host 127.0.0.1"):
+        serve.check_node_sets({"router": ["gpu-1"]}, NODES, "127.0.0.1")
+    with pytest.raises(serve.ServeError, match="one node"):
+        serve.check_node_sets({"router": ["head", "gpu-1"]}, NODES, "0.0.0.0")
+
+
+def test_status_says_why_the_router_is_down():
+    status = {"model": "m", "desired": {"prefill": 1, "decode": 1}, "workers": [],
+              "router": {"http": "0.0.0.0:8000", "grpc": "0.0.0.0:50051", "node": "10.0.0.11", "pid": None,
+                         "state": "down", "error": "the router's process host died: node lost; restart failed: "
+                                                   "no node of --router-node 10.0.0.11 is alive"}}
+    text = serve.render_status(status)
+    assert "node 10.0.0.11, down)" in text
+    assert "router: the router's process host died: node lost; restart failed: no node of --router-node" in text
