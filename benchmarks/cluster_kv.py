@@ -144,6 +144,20 @@ def start_services(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Pat
                     router=start("router", router_argv(cluster, node_a, args), ROUTER_READY_PREFIX))
 
 
+def stop(service: ServiceProcess, timeout_s: float = 10.0) -> None:
+    """SIGTERM to the service itself, wait for it, then ServiceProcess.stop. cluster.exec_argv's
+    nsenter enters the node's PID namespace by forking the service as its only child and passes
+    no signal on: signalling nsenter alone would orphan the service in its node (where
+    NetnsCluster.stop kills whatever is left)."""
+    try:
+        for pid in Path(f"/proc/{service.pid}/task/{service.pid}/children").read_text().split():
+            os.kill(int(pid), signal.SIGTERM)
+        service.proc.wait(timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    service.stop()
+
+
 def register_workers(router_grpc: str, services: Services, secret: str) -> None:
     """Admin.RegisterWorker for both workers, with the cluster secret (deploy/controller.py)."""
     with grpc.insecure_channel(router_grpc) as channel:
@@ -334,7 +348,7 @@ def run(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path, secret: 
         return rows
     finally:
         for service in reversed(services.all()):
-            service.stop()
+            stop(service)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,7 +48,7 @@ UP_TIMEOUT_S = 600
 SETTLE_TIMEOUT_S = 240
 KV_LEASE_S = 5.0
 MAX_TOKENS = 200                         # the tiny model's context is 256
-NUM_STREAMS = 8
+NUM_STREAMS = 16
 RETRIABLE = ("service_unavailable",)          # error types (HTTP 503) a client may retry
 
 
@@ -218,8 +218,10 @@ class Streams(threading.Thread):
             self.error = exc
 
     def wait_until_streaming(self, timeout_s: float = 60) -> None:
+        """Until every stream has had a chunk (the router coalesces a fast stream's tokens, so a
+        stream may be a few chunks in all)."""
         deadline = time.monotonic() + timeout_s
-        while min(self.seen) < 3:
+        while min(self.seen) < 1:
             assert self.error is None and self.is_alive(), f"streams ended early: {self.error!r}"
             assert time.monotonic() < deadline, f"streams did not start: {self.seen}"
             time.sleep(0.01)
@@ -376,11 +378,10 @@ def test_decode_node_lost_streams_resume_on_the_other_decode_node(dep, expected)
     streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)])
     streams.wait_until_streaming()
     dep.net.freeze(dep.n3)                          # the node stops here, mid-stream ...
-    unfinished = sum(1 for n in streams.seen if n < MAX_TOKENS)
     dep.net.kill(dep.n3)                            # ... and is gone: a power cut
     assert streams.join_result() == expected        # every stream whole: no token lost or repeated
     moved = metric(httpx.get(f"{url}/metrics").text, "tandem_request_failovers_total") - failovers
-    assert unfinished and moved >= 1, (unfinished, moved)
+    assert moved >= 1, "no stream was on the lost node when it went"
 
     dep.restart_node(dep.n3)                        # the controller puts the replica back on it
     back = dep.settled()
