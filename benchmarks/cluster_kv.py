@@ -2,6 +2,9 @@
 
     sudo .venv/bin/python benchmarks/cluster_kv.py [--prompt-tokens 1024,4096] [--rates 0,10000,1000] [--repeats 3]
 
+Ctrl-C, SIGTERM or an error stop the services and remove the namespaces; after a SIGKILL the next
+run removes what is left (NetnsCluster's remove_stale). Traffic stays on the nodes' bridge.
+
 Setup (docs/architecture.md#processes): two Linux network namespaces made by
 tests/cluster/netns.py (root needed), each a "node" with its own address, hostname and
 /dev/shm, so kvtransfer's ``auto`` backend picks ``tcp`` (ZeroMQ, CurveZMQ under the cluster

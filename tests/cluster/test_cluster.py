@@ -178,9 +178,9 @@ def scrape(target: str) -> str:
     return httpx.get(f"http://{target}/metrics", timeout=10).raise_for_status().text
 
 
-async def _stream(client: httpx.AsyncClient, prompt: list[int], seen: list[int], i: int) -> str | dict:
+async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], seen: list[int], i: int) -> str | dict:
     """The streamed text, or the error the router answered with (a status or an error event)."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "stream": True}
     text = ""
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -211,7 +211,9 @@ class Streams(threading.Thread):
     def run(self) -> None:
         async def main() -> list[str | dict]:
             async with httpx.AsyncClient(base_url=self.url, timeout=300) as client:
-                return await asyncio.gather(*(_stream(client, p, self.seen, i) for i, p in enumerate(self.prompts)))
+                model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
+                return await asyncio.gather(*(_stream(client, model, p, self.seen, i)
+                                              for i, p in enumerate(self.prompts)))
         try:
             self.result = asyncio.run(main())
         except BaseException as exc:  # noqa: BLE001 - reported by join_result
@@ -222,7 +224,7 @@ class Streams(threading.Thread):
         stream may be a few chunks in all)."""
         deadline = time.monotonic() + timeout_s
         while min(self.seen) < 1:
-            assert self.error is None and self.is_alive(), f"streams ended early: {self.error!r}"
+            assert self.error is None and self.is_alive(), f"streams ended early: {self.error!r} {self.result}"
             assert time.monotonic() < deadline, f"streams did not start: {self.seen}"
             time.sleep(0.01)
 
