@@ -32,7 +32,8 @@ Around each request it reads both workers' /metrics (engine/serving/metrics.py):
 - prefill: the prefill worker's own tandem_time_to_first_token_seconds (its Submit arrived ->
   first token sampled). Writes are asynchronous, so this is compute, plus issuing the per-layer
   writes and whatever the transfer's threads take from the engine thread on the shared cores;
-- KV: the prefill worker's tandem_kv_transfer_bytes_total (the decode worker never counts it);
+- KV: the decode worker's tandem_kv_received_bytes_total, bytes that came over the network
+  (tcp backend only), once it reached what the prefill worker counts as shipped;
 - D xfer: the decode worker's tandem_kv_transfer_seconds, the product's own transfer time. It
   runs from blocks reserved to every layer and the notify landed, so it contains the prefill.
 
@@ -194,13 +195,14 @@ def scrape(address: str) -> dict[str, float]:
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def wait_for_transfer_count(address: str, count: float, timeout_s: float = 30.0) -> dict[str, float]:
-    """The prefill worker's /metrics once it counted ``count`` finished transfers: it records a
-    transfer after the decode worker has the KV, so possibly after the client's first token."""
+def wait_for_metric(address: str, name: str, at_least: float, timeout_s: float = 30.0) -> dict[str, float]:
+    """A worker's /metrics once ``name`` reached ``at_least``: a worker counts a transfer when its
+    engine thread next looks, which may be after the client's first token."""
     deadline = time.monotonic() + timeout_s
-    while (metrics := scrape(address))["tandem_kv_transfer_seconds_count"] < count:
+    while (metrics := scrape(address))[name] < at_least:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the prefill worker counted no finished transfer within {timeout_s:.0f} s")
+            raise RuntimeError(f"{name} at {address} is {metrics[name]:.0f} after {timeout_s:.0f} s, "
+                               f"not {at_least:.0f}")
         time.sleep(0.02)
     return metrics
 
@@ -216,14 +218,18 @@ def timed_request(client: TandemClient, metrics: dict[str, str], prompt: list[in
         usage = chunk.usage or usage
     if ttft_s is None or usage is None:
         raise RuntimeError("the request streamed no token")
-    p = wait_for_transfer_count(metrics["prefill"], before["prefill"]["tandem_kv_transfer_seconds_count"] + 1)
-    d = scrape(metrics["decode"])
 
     def delta(after: dict[str, float], role: str, name: str) -> float:
         return after[name] - before[role][name]
 
+    p = wait_for_metric(metrics["prefill"], "tandem_kv_transfer_seconds_count",
+                        before["prefill"]["tandem_kv_transfer_seconds_count"] + 1)
+    shipped = delta(p, "prefill", "tandem_kv_transfer_bytes_total")
+    # Received over the network: all of it, or the KV did not take the tcp backend.
+    d = wait_for_metric(metrics["decode"], "tandem_kv_received_bytes_total",
+                        before["decode"]["tandem_kv_received_bytes_total"] + shipped)
     return Sample(ttft_s=ttft_s, prefill_s=delta(p, "prefill", "tandem_time_to_first_token_seconds_sum"),
-                  kv_bytes=delta(p, "prefill", "tandem_kv_transfer_bytes_total"),
+                  kv_bytes=delta(d, "decode", "tandem_kv_received_bytes_total"),
                   decode_xfer_s=delta(d, "decode", "tandem_kv_transfer_seconds_sum"),
                   cached_tokens=usage.cached_tokens)
 

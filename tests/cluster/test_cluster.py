@@ -418,16 +418,23 @@ def test_partition_between_prefill_and_decode_fails_within_the_lease_and_frees_e
     prefill = next(w for w in status["workers"] if w["role"] == "prefill")
     p_node = next(n for n in dep.net.nodes if n.ip == prefill["node"])
     url = dep.router_url()
+    cut_off = dep.targets()[dep.worker(status, "decode", dep.n3)["id"]]["target"]
+    failed = metric(scrape(cut_off), "tandem_kv_transfer_failures_total")
     dep.net.partition(p_node, dep.n3)            # P <-> one D cut; the router still sees both
     try:
+        started = time.monotonic()
         streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)])
         outcomes = streams.outcomes(timeout_s=120)        # nothing hangs
+        took = time.monotonic() - started
         print("outcomes across the partition:", outcomes)
         for outcome, text in zip(outcomes, expected):
             # Failed over to the reachable decode node (whole text), or a clear, retriable error.
             assert outcome == text or (isinstance(outcome, dict) and outcome["error"]["type"] in RETRIABLE), outcome
     finally:
         dep.net.heal(p_node, dep.n3)
+    # The cut was crossed: the decode worker behind it gave up on transfers (its lease ran out).
+    assert metric(scrape(cut_off), "tandem_kv_transfer_failures_total") > failed
+    print(f"{NUM_STREAMS} requests across the partition ended in {took:.1f} s (lease {KV_LEASE_S} s)")
     targets = dep.targets()
     deadline = time.monotonic() + 3 * KV_LEASE_S + 10
     while True:
