@@ -67,7 +67,7 @@ async def serve(config: RouterConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         router = Router(config)
-    except ValueError as exc:   # no or a bad cluster secret
+    except (ValueError, OSError) as exc:   # no or a bad cluster secret; a model whose files are missing
         print(f"router: error: {exc}", file=sys.stderr)
         return 2
     try:

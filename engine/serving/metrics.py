@@ -34,7 +34,8 @@ class WorkerMetrics:
         self.local_prefills = counter("tandem_local_prefills", "decode: requests whose prompt this worker computed "
                                       "itself (no prefill worker: conditional disaggregation)")
         self.retractions = counter("tandem_num_retractions", "decode requests retracted for lack of blocks")
-        self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes", "KV bytes shipped or received")
+        self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes",
+                                         "prefill: KV bytes shipped to decode workers (any backend)")
         self.kv_received_bytes = counter("tandem_kv_received_bytes",
                                          "decode: KV payload bytes that arrived over the network (tcp backend; "
                                          "shm and cuda-ipc writes land in the pool without passing the receiver)")
@@ -44,7 +45,9 @@ class WorkerMetrics:
         self.kv_transfer_failures = counter("tandem_kv_transfer_failures",
                                             "KV transfers that failed (lease expired, peer gone, rejected)")
         self.kv_transfer_seconds = Histogram(
-            "tandem_kv_transfer_seconds", "from destination known to transfer done", ["role"],
+            "tandem_kv_transfer_seconds",
+            "prefill: destination known to every write done; decode: blocks reserved to the KV landed (both "
+            "include the prefill compute they overlap)", ["role"],
             registry=self.registry, buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
         ).labels(**labels)
         self.ttft = Histogram("tandem_time_to_first_token_seconds",

@@ -261,7 +261,10 @@ class NetnsCluster:
         return done.stdout
 
     def exec_argv(self, node: Node, argv: list[str]) -> list[str]:
-        """``argv`` as a command that runs inside ``node``'s namespaces (network, mount, hostname)."""
+        """``argv`` as a command that runs inside ``node``'s namespaces (network, mount, PID, hostname).
+
+        nsenter forks to enter the PID namespace and does not pass signals on: stop a service
+        started this way by signalling its own pid (nsenter's child), not nsenter's."""
         if not node.alive:
             raise NetnsError(f"{node.name} is down")
         return ["nsenter", "--target", str(node.init_pid), "--net", "--mount", "--uts", "--pid", "--", *argv]

@@ -80,3 +80,15 @@ def test_admin_calls_with_the_cluster_secret_change_membership(loop_thread, toke
         assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=extra.address))).found
         assert registry.get(extra.address) is None
     run(loop_thread, tokenizer, body, api_key=API_KEY)
+
+
+def test_a_router_given_a_model_with_no_files_exits_2_with_the_reason(tmp_path):
+    import subprocess
+    import sys
+
+    missing = tmp_path / "no-such-model"
+    done = subprocess.run([sys.executable, "-m", "router", "--model", str(missing), "--http-port", "0",
+                           "--grpc-port", "0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("router: error:") and str(missing) in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
