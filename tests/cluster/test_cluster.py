@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -35,6 +34,7 @@ import yaml
 
 from deploy.launch import REPO_ROOT
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements
+from tests.deploy.ray_launcher import launcher_home, ray_cli
 
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
@@ -42,7 +42,6 @@ from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_di
 pytestmark = pytest.mark.slow
 
 SHIPPED_YAML = REPO_ROOT / "deploy/ray/cluster-local.yaml"
-RAY = Path(sys.executable).parent / "ray"
 TANDEM = Path(sys.executable).parent / "tandem"
 UP_TIMEOUT_S = 600
 SETTLE_TIMEOUT_S = 240
@@ -71,11 +70,7 @@ class Deployment:
                                 env={"TANDEM_CACHE_DIR": str(cache)} if "TANDEM_CACHE_DIR" in os.environ else {})
         self.head, self.n1, self.n2, self.n3, self.n4 = self.net.nodes
         self.outsider = self.net.outsiders[0]
-        self.launcher_home = root / "launcher-home"     # `ray up` runs with HOME here: ~/.ray/auth_token
-        (self.launcher_home / ".ray").mkdir(parents=True)
-        token = self.launcher_home / ".ray" / "auth_token"
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
+        self.launcher_home = launcher_home(root)       # `ray up` runs with HOME here: ~/.ray/auth_token
         self.config_path = root / "cluster.yaml"
         self.sd_file = root / "targets.json"
         self.log: list[str] = []
@@ -100,16 +95,9 @@ class Deployment:
         return config
 
     def ray(self, *args: str, timeout_s: float) -> tuple[int, str]:
-        env = dict(os.environ, HOME=str(self.launcher_home), RAY_USAGE_STATS_ENABLED="0")
-        env.pop("TANDEM_CLUSTER_SECRET", None)
-        try:
-            done = subprocess.run([str(RAY), *args], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
-        except subprocess.TimeoutExpired as e:
-            out = e.output.decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
-            return -1, f"{out}\n[ray {args[0]} timed out after {timeout_s} s]"
-        self.log.append(f"$ ray {' '.join(args)} (exit {done.returncode})\n{done.stdout[-6000:]}")
-        return done.returncode, done.stdout
+        rc, out = ray_cli(*args, home=self.launcher_home, timeout_s=timeout_s)
+        self.log.append(f"$ ray {' '.join(args)} (exit {rc})\n{out[-6000:]}")
+        return rc, out
 
     def up(self) -> None:
         self.config_path.write_text(yaml.safe_dump(self.config()))

@@ -14,11 +14,7 @@ another Ray cluster rather than stop it.
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -28,13 +24,13 @@ import httpx
 import pytest
 import yaml
 
+from tests.deploy.ray_launcher import launcher_home, ray_cli
 from tests.deploy.sshd import PrivateSshd, missing_binaries, process_table, processes_with_env, terminate
 
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED_YAML = REPO_ROOT / "deploy/ray/cluster-local.yaml"
-RAY = Path(sys.executable).parent / "ray"
 UP_TIMEOUT_S = 480
 DOWN_TIMEOUT_S = 120
 
@@ -75,27 +71,6 @@ def _test_config(sshd: PrivateSshd, venv: Path) -> dict:
     return config
 
 
-def _launcher_home(tmp_path: Path) -> Path:
-    """A HOME for the machine `ray up` runs on, holding the Ray token the YAML copies to every node."""
-    home = tmp_path / "launcher-home"
-    (home / ".ray").mkdir(parents=True)
-    (home / ".ray" / "auth_token").write_text(secrets.token_hex(32))
-    (home / ".ray" / "auth_token").chmod(0o600)
-    return home
-
-
-def _ray(*args: str, home: Path, timeout_s: float) -> tuple[int, str]:
-    """Run the venv's `ray` CLI from the repository root (file_mounts' `.` is the checkout)."""
-    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", HOME=str(home))
-    try:
-        done = subprocess.run([str(RAY), *args], cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        out = e.output.decode(errors="replace") if isinstance(e.output, bytes) else (e.output or "")
-        return -1, f"{out}\n[ray {args[0]} timed out after {timeout_s} s]"
-    return done.returncode, done.stdout
-
-
 def _remove_config_cache(config_path: Path) -> None:
     """`ray down` (it has no --no-config-cache) leaves the resolved config in the temp dir."""
     name = yaml.safe_load(config_path.read_text())["cluster_name"]
@@ -129,11 +104,11 @@ def test_ray_up_launches_a_cluster_that_answers_a_chat(sshd, tmp_path):
     config_path = tmp_path / "cluster.yaml"
     config_path.write_text(yaml.safe_dump(_test_config(sshd, REPO_ROOT / ".venv")))
     ours = f"HOME={sshd.home}"  # every process the cluster starts inherits the session's HOME
-    home = _launcher_home(tmp_path)
+    home = launcher_home(tmp_path)
     logs = []
     try:
         started = time.monotonic()
-        rc, out = _ray("up", "-y", str(config_path), "--no-config-cache", "--log-style", "record",
+        rc, out = ray_cli("up", "-y", str(config_path), "--no-config-cache", "--log-style", "record",
                        home=home, timeout_s=UP_TIMEOUT_S)
         logs.append(f"$ ray up ({time.monotonic() - started:.0f} s, exit {rc})\n{out}")
         assert rc == 0, f"`ray up` failed:\n{out[-4000:]}"
@@ -145,10 +120,10 @@ def test_ray_up_launches_a_cluster_that_answers_a_chat(sshd, tmp_path):
         assert answer.strip(), answer
     finally:
         # `tandem down` through the login shell also checks the PATH line the YAML installs.
-        rc, out = _ray("exec", str(config_path), "tandem down", "--no-config-cache", home=home,
+        rc, out = ray_cli("exec", str(config_path), "tandem down", "--no-config-cache", home=home,
                      timeout_s=DOWN_TIMEOUT_S)
         logs.append(f"$ ray exec 'tandem down' (exit {rc})\n{out}")
-        rc, out = _ray("down", "-y", str(config_path), "--log-style", "record", home=home, timeout_s=DOWN_TIMEOUT_S)
+        rc, out = ray_cli("down", "-y", str(config_path), "--log-style", "record", home=home, timeout_s=DOWN_TIMEOUT_S)
         logs.append(f"$ ray down (exit {rc})\n{out}")
         table = process_table()
         left_after_down = {pid: table[pid][1] for pid in processes_with_env(ours) if pid in table}
