@@ -617,9 +617,7 @@ class Controller:
         selectors = spec.node_sets.get(r.role, [])
         r.pg, ids = self._placement_group(r)
         waited = 0.0
-        while r.pg is None or not self._ready_or_stop(r.pg.ready(), 5.0):
-            if r.pg is None:
-                self._ready_or_stop(None, 5.0)
+        while not self._ready_or_stop(None if r.pg is None else r.pg.ready(), 5.0):
             waited += 5.0
             where = f" on a node of --{r.role}-nodes {','.join(selectors)}" if selectors else " on one node"
             r.last_error = (f"waiting {waited:.0f} s for resources: {r.tp} x {self._bundle()}{where} "
@@ -682,6 +680,8 @@ class Controller:
             time.sleep(0.2)
 
     def _ready_or_stop(self, ref, timeout_s: float) -> bool:
+        """Whether ``ref`` is ready within ``timeout_s`` (None: wait that long, not ready);
+        raises once the controller stops."""
         if ref is None:
             self._stopping.wait(timeout_s)
             ready = []
