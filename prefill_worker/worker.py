@@ -54,7 +54,8 @@ class PrefillJob:
     arrival_s: float = field(default_factory=time.monotonic)
     destination: Destination | None = None
     first: StepOutput | None = None           # set once the prompt is computed
-    layers_shipped: bool = False              # per-layer writes issued during the forward
+    layers_shipped: bool = False              # every block's per-layer writes issued during forwards
+    next_block: int = 0                       # blocks before this one were written whole, every layer
     shipping: bool = False                    # transfer ops issued (on every rank)
     destination_s: float | None = None
 
@@ -177,15 +178,27 @@ class PrefillLoop(EngineLoop):
 
     def _layer_plan(self, batch: ScheduledBatch) -> dict[str, Any]:
         """Before a step: the prompts whose KV is written layer by layer during its forward
-        (sent to the followers with the step, so each rank writes its own heads)."""
+        (sent to the followers with the step, so each rank writes its own heads).
+
+        Every chunk of a prompt with a destination writes, after each layer, the blocks it
+        fills and the blocks before them not written yet (all of them, cached prefix included,
+        for the first chunk after the destination came), so the transfer of a long prompt runs
+        beside all of its chunks, not only the last. A block the chunk fills only in part goes
+        again with the next chunk; writes are in order per sender, and the decode worker takes
+        the KV only at the notify, which follows them all."""
         self._layer_writes = []
+        block_size = self.engine.block_size
         for seq, num_new in batch.prefills:
             job = self.jobs.get(seq.request_id)
-            if job is None or job.destination is None or seq.num_computed_tokens + num_new != seq.num_tokens:
-                continue  # not the prompt's last chunk, or nowhere to send it yet
+            if job is None or job.destination is None:
+                continue  # nowhere to send it yet: _ship writes every layer once it is known
+            end = seq.num_computed_tokens + num_new
             src, dst = self._block_pairs(job, seq.block_ids)
-            self._layer_writes.append([job.request_id, src, dst])
-            job.layers_shipped = job.shipping = True
+            upto = -(-end // block_size)
+            self._layer_writes.append([job.request_id, src[job.next_block:upto], dst[job.next_block:upto]])
+            job.next_block = end // block_size
+            job.shipping = True
+            job.layers_shipped = end == seq.num_tokens
         return {"writes": self._layer_writes}
 
     def _after_layer(self, layer: int, batch: ScheduledBatch) -> None:

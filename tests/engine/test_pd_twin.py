@@ -102,6 +102,45 @@ def test_pd_twin_matches_colocated_greedy_and_seeded(pair, make_llm, tiny_model_
     assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
 
 
+def test_pd_twin_ships_each_chunk_layer_by_layer_when_the_destination_came_first(pair, make_llm, tiny_model_dir):
+    """A prompt whose destination is known before it is computed: every chunk's forward writes
+    the blocks it filled (a partly filled block again with the next chunk), so the KV moves
+    beside every chunk, not only the last; the decode worker still gets exactly the prompt's KV."""
+    prompts = [[(11 * i + 5 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([40, 64, 23])]
+    params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(prompts)
+    prefill, decode = pair(chunked_prefill_size=16)
+    writes: list[tuple[str, int, tuple[int, ...]]] = []
+    write = prefill.rank.write
+
+    def spy(request_id, layers, src, dst):
+        writes.extend((request_id, layer, tuple(dst)) for layer in layers)
+        return write(request_id, layers, src, dst)
+
+    prefill.rank.write = spy
+    streams = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        events: queue.SimpleQueue = queue.SimpleQueue()
+        decode.call(lambda j=DecodeJob(f"early-{i}", prompt, p, "in-process", events.put): decode.add(j))
+        streams.append(events)
+    deadline = time.monotonic() + 30
+    while len(prefill.early) < len(prompts):       # every destination is there before its Submit
+        assert time.monotonic() < deadline, prefill.early
+        time.sleep(0.01)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        prefill.call(lambda j=PrefillJob(f"early-{i}", prompt, p, "in-process"): prefill.submit(j))
+    assert [_tokens(events) for events in streams] == _colocated(make_llm, tiny_model_dir, prompts, params)
+    for i, prompt in enumerate(prompts):
+        layer0 = [dst for rid, layer, dst in writes if rid == f"early-{i}" and layer == 0]
+        # One write per chunk (the step's 16-token budget is shared, so a prompt takes >= its
+        # length / 16 chunks), each from where the last one's whole blocks ended ...
+        assert len(layer0) >= -(-len(prompt) // 16), layer0
+        order = list(dict.fromkeys(b for dst in layer0 for b in dst))    # blocks in prompt order
+        for before, after in zip(layer0, layer0[1:]):
+            assert order.index(after[0]) in (order.index(before[-1]), order.index(before[-1]) + 1), layer0
+        # ... and together every block of the prompt (block_size 4).
+        assert len(order) == -(-len(prompt) // 4), layer0
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_pd_twin_on_cuda_matches_colocated_on_cuda(pair, make_llm, tiny_model_dir):
