@@ -43,17 +43,15 @@ Derived, per repeat and then the median over repeats:
 - 1-layer bound = prefill + whole xfer / num_layers: the overlap claim, TTFT close to this;
 - hidden = 1 - (TTFT - prefill) / whole xfer: the share of the transfer kept off TTFT.
 
-The prefill worker writes each layer's KV of the whole prompt right after that layer runs in the
-forward of the prompt's *last* chunk, and only when the decode worker's destination arrived
-before that chunk was scheduled (prefill_worker/worker.py, ``_layer_plan``); otherwise it ships
-all layers after the forward (``_ship``). With the CPU's --chunked-prefill-size of 512 a
-4096-token prompt takes 8 chunks and only the last one's compute can hide the transfer; a
-prompt of one chunk starts computing on its Submit, before the destination comes, and gets no
-overlap (try --prompt-tokens 512, or --chunked-prefill-size 4096). The cores the workers share
-also run the transfer's encryption and copies on both nodes. Each KV pool holds two of the
-longest requests, and an uncounted warm-up allocates each of its blocks once, so no point pays
-the pools' first-touch page faults. Requests run one at a time; the load average is printed,
-as other work on the machine shows up as noise.
+The prefill worker writes each layer's KV right after that layer runs, in every chunk's forward
+once the decode worker's destination is known (prefill_worker/worker.py, ``_layer_plan``);
+a prompt of one chunk (--chunked-prefill-size: 512 on CPU) starts computing on its Submit,
+before the destination comes, and its KV is written after the forward (``_ship``): no overlap
+(try --prompt-tokens 512). The cores the workers share also run the transfer's encryption and
+copies on both nodes. Each KV pool holds two of the longest requests, and an uncounted warm-up
+allocates each of its blocks once, so no point pays the pools' first-touch page faults.
+Requests run one at a time; the load average is printed, as other work on the machine shows
+up as noise.
 """
 from __future__ import annotations
 
