@@ -115,12 +115,12 @@ class DecodeLoop(EngineLoop):
         self._last_log_s = time.monotonic()
         self._retractions_seen = 0
         self._prompt_tokens_seen = 0               # computed here: local prefills and recomputed retractions
-        self._receiver_seen: dict[str, int] = {}   # receiver counters already added to the metrics
         self._outbox: EventBatch = []              # stream events not yet delivered (engine thread)
         # Called on the engine thread with each batch of events, in order; the gRPC servicer
         # sets it to hand the batch to its asyncio loop in one thread-safe call.
         self.deliver: Callable[[EventBatch], None] = deliver_in_place
         metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
+        metrics.read_receiver(receiver.stats)
 
     # -- commands (engine thread) ----------------------------------------------------------
     def add(self, job: DecodeJob) -> None:
@@ -345,12 +345,6 @@ class DecodeLoop(EngineLoop):
         if stats.num_retractions > self._retractions_seen:
             self.metrics.retractions.inc(stats.num_retractions - self._retractions_seen)
             self._retractions_seen = stats.num_retractions
-        counters = self.receiver.stats()
-        for key, metric in (("payload_bytes", self.metrics.kv_received_bytes),
-                            ("rejected", self.metrics.kv_messages_rejected)):
-            if counters.get(key, 0) > self._receiver_seen.get(key, 0):
-                metric.inc(counters[key] - self._receiver_seen.get(key, 0))
-                self._receiver_seen[key] = counters[key]
 
     def stats(self) -> dict[str, float]:
         stats = self.engine.stats()

@@ -88,7 +88,7 @@ class ReceiverCore:
             req = table.check_write(peer, msg.request_id, msg.layers, msg.dst_block_ids)
             if isinstance(msg, WritePayload):
                 self._scatter(msg, frames[1:])
-                self.counters["payload_bytes"] += len(frames[1:]) * len(msg.dst_block_ids) * self.layout.block_nbytes
+                self.counters["payload_bytes"] += (len(frames) - 1) * len(msg.dst_block_ids) * self.layout.block_nbytes
             table.mark_landed(peer, req, msg.layers, msg.dst_block_ids)
         elif isinstance(msg, Notify):
             table.notify(peer, msg.request_id, msg.payload)

@@ -5,9 +5,31 @@ Runs in a prefill or decode worker process; every series carries ``role``. The d
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily
+
+
+class _ReceiverCounters:
+    """A decode worker's receiver counters as Prometheus counters (a custom collector)."""
+
+    SERIES = (("tandem_kv_received_bytes", "payload_bytes",
+               "decode: KV payload bytes that arrived over the network (tcp backend; shm and cuda-ipc writes "
+               "land in the pool without passing the receiver)"),
+              ("tandem_kv_messages_rejected", "rejected",
+               "decode: kvtransfer messages the receiver refused (bad header, size, blocks or sender)"))
+
+    def __init__(self, stats: Callable[[], dict[str, int]], role: str) -> None:
+        self._stats, self._role = stats, role
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = self._stats()
+        for name, key, doc in self.SERIES:
+            family = CounterMetricFamily(name, doc, labels=["role"])
+            family.add_metric([self._role], counters.get(key, 0))
+            yield family
 
 
 class WorkerMetrics:
@@ -36,12 +58,6 @@ class WorkerMetrics:
         self.retractions = counter("tandem_num_retractions", "decode requests retracted for lack of blocks")
         self.kv_transfer_bytes = counter("tandem_kv_transfer_bytes",
                                          "prefill: KV bytes shipped to decode workers (any backend)")
-        self.kv_received_bytes = counter("tandem_kv_received_bytes",
-                                         "decode: KV payload bytes that arrived over the network (tcp backend; "
-                                         "shm and cuda-ipc writes land in the pool without passing the receiver)")
-        self.kv_messages_rejected = counter("tandem_kv_messages_rejected",
-                                            "decode: kvtransfer messages the receiver refused (bad header, size, "
-                                            "blocks or sender)")
         self.kv_transfer_failures = counter("tandem_kv_transfer_failures",
                                             "KV transfers that failed (lease expired, peer gone, rejected)")
         self.kv_transfer_seconds = Histogram(
@@ -58,6 +74,12 @@ class WorkerMetrics:
                              registry=self.registry,
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)).labels(**labels)
         self._server: WSGIServer | None = None
+        self._role = role
+
+    def read_receiver(self, stats: Callable[[], dict[str, int]]) -> None:
+        """decode: export the kvtransfer receiver's counters (``Receiver.stats``), read when
+        /metrics is scraped, not on the engine step."""
+        self.registry.register(_ReceiverCounters(stats, self._role))
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""

@@ -447,7 +447,8 @@ def test_router_node_lost_clients_get_errors_and_status_says_so(dep, expected):
     while (router := dep.status()["router"])["state"] != "down":
         assert time.monotonic() < deadline, router
         time.sleep(1)
-    assert dep.n1.ip in dep.tandem("status") or router["error"], router
+    text = dep.tandem("status")
+    assert f"node {dep.n1.ip}, down)" in text and f"router: {router['error'].split(';')[0]}" in text, text
     dep.restart_node(dep.n1)
     dep.settled()
     assert Streams(dep.router_url(), [_prompt(0)]).join_result() == expected[:1]
