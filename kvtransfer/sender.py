@@ -20,6 +20,7 @@ import torch
 import zmq
 
 from .descriptor import RegionDescriptor
+from .faults import FaultPlan
 from .layout import KVLayout
 from .messages import (
     MAX_BLOCK_IDS,
@@ -152,6 +153,7 @@ class ZmqSender(Sender):
         super().__init__(descriptor, src_pool, layout, backend)
         self._writer = writer_factory(self)
         self._heartbeat_s = heartbeat_s
+        self._faults = FaultPlan.from_env()   # None unless TANDEM_KV_FAULT_RATE is set
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -182,6 +184,8 @@ class ZmqSender(Sender):
 
         def op() -> None:
             self._open[request_id] = None
+            if self._faults is not None:
+                self._faults.check(request_id)
             self._writer.write(self._send, ctx, request_id, layers_t, src, dst)
         return self._submit(request_id, op)
 
