@@ -2,7 +2,8 @@
 
 ``TANDEM_KV_FAULT_RATE=p`` (0 < p <= 1) makes each request's KV transfer fail with probability
 p, as a broken link or a refused write would: one of its first ``MAX_FAULT_WRITE + 1`` writes
-(drawn per request) raises ``InjectedFault`` before a byte of it is sent, and the prefill
+(drawn per request), or its notify if it has fewer writes (a prompt whose KV goes in one write
+once computed), raises ``InjectedFault`` before a byte of it is sent, and the prefill
 worker's usual failure path runs (the transfer is cancelled at the decode worker, which frees
 the blocks, and the router fails the request over). The draw is a hash of the request id, so a
 retry (a new id) draws again; ``TANDEM_KV_FAULT_SEED`` makes the draws repeatable. Read once per
@@ -69,3 +70,8 @@ class FaultPlan:
         self._countdown[request_id] = left - 1
         while len(self._countdown) > MAX_DOOMED:
             self._countdown.popitem(last=False)
+
+    def check_notify(self, request_id: str) -> None:
+        """Called before ``request_id``'s notify: a doomed transfer whose fault has not fired fails here."""
+        if self._countdown.pop(request_id, None) is not None:
+            raise InjectedFault(f"injected KV transfer fault ({FAULT_RATE_ENV}={self.rate}) request_id={request_id}")

@@ -199,6 +199,8 @@ class ZmqSender(Sender):
         data = encode(Notify(request_id, payload))  # validates bounds in the caller's thread
 
         def op() -> None:
+            if self._faults is not None:
+                self._faults.check_notify(request_id)
             self._send([data])
             self._open.pop(request_id, None)
         return self._submit(request_id, op)

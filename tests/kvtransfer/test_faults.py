@@ -78,3 +78,24 @@ def test_a_faulted_write_fails_its_future_and_writes_nothing(layout, monkeypatch
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_doomed_transfer_of_one_write_fails_at_its_notify(layout, monkeypatch):
+    """A transfer shorter than its drawn fault index still fails: at the notify."""
+    monkeypatch.setenv(FAULT_RATE_ENV, "1")
+    monkeypatch.delenv(FAULT_SEED_ENV, raising=False)
+    pool = torch.zeros(layout.pool_shape(4), dtype=torch.bfloat16)
+    receiver = create_receiver(pool, layout, "tcp")
+    sender = create_sender(receiver.descriptor, random_pool(layout, 4, 0), layout, "tcp")
+    try:
+        plan = sender._faults
+        request_id = next(f"r{i}" for i in range(1000) if plan.doomed(f"r{i}") > 0)   # fails at write >= 1
+        receiver.expect(request_id, [0])
+        sender.write(request_id, range(layout.num_layers), [1], [0]).result(timeout=10)
+        with pytest.raises(InjectedFault):
+            sender.notify(request_id, NotifyPayload(1)).result(timeout=10)
+        sender.cancel(request_id, "KV write failed")
+        assert receiver.wait(request_id, timeout_s=10).status is TransferStatus.CANCELLED
+    finally:
+        sender.close()
+        receiver.close()
