@@ -129,7 +129,7 @@ class DecodeLoop(EngineLoop):
         if job.request_id in self.cancelled:  # the receiver still tracks its old transfer
             raise KeyError(f"request_id={job.request_id!r} is still being cleaned up here; use a new one")
         if not job.prefill_address:
-            job.num_cached_tokens = self.engine.num_cached_prefix_tokens(job.prompt_token_ids)
+            job.num_cached_tokens = self.engine.num_cached_prefix_tokens(job.prompt_token_ids, job.params.cache_salt)
             self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
             job.state = DecodeState.PREFILLING
             self.metrics.local_prefills.inc()

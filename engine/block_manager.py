@@ -13,6 +13,9 @@ Model (vLLM v1 / nano-vllm):
 * A full block's hash chains from its parent's hash (``hash_block``), so equal hashes mean
   equal whole prefixes. On a hash hit the stored token ids are compared as well, so a hash
   collision can never hand a sequence someone else's KV.
+* An ``extra_key`` (a request's ``cache_salt``, a LoRA adapter) is mixed into the hash of the
+  first block only, as vLLM does: every later hash chains from it, so two keys share no block
+  at all, and a sequence's later blocks are hashed without it.
 
 Every method costs O(blocks touched), never O(num_blocks), except ``reset_prefix_cache``.
 """
@@ -191,7 +194,7 @@ class BlockAllocator:
         parent_hash: bytes | None = None
         for i in range(max_blocks):
             block_tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent_hash = hash_block(parent_hash, block_tokens, extra_key)
+            parent_hash = hash_block(parent_hash, block_tokens, extra_key if i == 0 else None)
             block_id = self._hash_to_block_id.get(parent_hash)
             if block_id is None or self._blocks[block_id].token_ids != block_tokens:
                 break
@@ -225,7 +228,7 @@ class BlockAllocator:
         for i in range(num_cached_blocks, num_full_blocks):
             block = self._blocks[block_ids[i]]
             block_tokens = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
-            parent_hash = hash_block(parent_hash, block_tokens, extra_key)
+            parent_hash = hash_block(parent_hash, block_tokens, extra_key if i == 0 else None)
             if block.block_hash != parent_hash:
                 self._evict(block)  # re-caching over stale content must not leave it mapped
             block.block_hash = parent_hash

@@ -204,6 +204,7 @@ class InvalidSamplingError(ValueError):
 
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 128
+MAX_CACHE_SALT_CHARS = 256   # SamplingParams.cache_salt: a tenant key; longer adds nothing
 MIN_TEMPERATURE = 1e-2          # 0 < temperature below this is raised to it (logits / tiny overflow)
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)   # positive logits are divided by it: a tiny one overflows
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -352,8 +353,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None   # the output follows this grammar
+    cache_salt: str = ""   # prefix-cache separation: only requests with the same salt share blocks
 
     def __post_init__(self) -> None:
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise ValueError(f"cache_salt is {len(self.cache_salt)} characters, more than {MAX_CACHE_SALT_CHARS}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         check_sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,

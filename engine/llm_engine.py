@@ -214,9 +214,9 @@ class LLMEngine:
         """Rank 0's side of the TP group (None without TP), to mirror role ops on."""
         return self.runner.leader
 
-    def num_cached_prefix_tokens(self, prompt_token_ids: list[int]) -> int:
-        """Prompt tokens the prefix cache holds now, in whole blocks (a look: nothing is taken)."""
-        return self.allocator.peek_prefix_blocks(prompt_token_ids) * self.allocator.block_size
+    def num_cached_prefix_tokens(self, prompt_token_ids: list[int], cache_salt: str = "") -> int:
+        """Prompt tokens the prefix cache holds now for this salt, in whole blocks (a look: nothing is taken)."""
+        return self.allocator.peek_prefix_blocks(prompt_token_ids, cache_salt.encode()) * self.allocator.block_size
 
     def reserve_blocks(self, num_tokens: int, num_future_tokens: int, transfers_pending: bool) -> list[int] | None:
         """Blocks for ``num_tokens`` tokens whose KV another process writes (a decode worker's

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.gguf_file import GGUFFile
+from engine.model_errors import ModelFileError
 from engine.model_source import ModelSource, load_arch, resolve_model  # noqa: F401 - re-exported
 from engine.models.arch import (
     ArchConfig,
@@ -56,7 +57,7 @@ class Checkpoint:
             return {}
         found = {}
         for tensor in gguf.kernel_tensors():
-            name = _gguf_to_hf_name(tensor.name)
+            name = _gguf_to_hf_name(gguf, tensor.name)
             if name is None:
                 continue
             blocks = _hf_row_order(gguf, self.arch, name, np.asarray(tensor.data))
@@ -85,9 +86,13 @@ def _iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-        except SafetensorError as exc:
-            raise ValueError(f"{file} is not a valid safetensors file: {exc}") from exc
+                    tensor = handle.get_tensor(name)
+                    if not tensor.dtype.is_floating_point:
+                        raise ModelFileError(file, f"tensor {name!r}",
+                                             f"dtype {tensor.dtype} is not a floating-point type", "safetensors")
+                    yield name, tensor
+        except SafetensorError as exc:   # header length, JSON, dtypes, offsets: checked by safetensors
+            raise ModelFileError(file, "header", str(exc), "safetensors") from None
 
 
 def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -98,27 +103,30 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _hf_row_order(gguf: GGUFFile, arch: ArchConfig, name: str, rows: np.ndarray) -> np.ndarray:
-    """A GGUF tensor's rows (dequantized values or quantized blocks) in the HF order."""
-    if gguf.metadata.get("general.architecture") not in ("llama", "mistral"):
-        return rows
-    if name.endswith("q_proj.weight"):
-        return _unpermute_rope(rows, arch.num_heads)
-    if name.endswith("k_proj.weight"):
-        return _unpermute_rope(rows, arch.num_kv_heads)
-    return rows
-
-
 def _iter_gguf(gguf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     for tensor in gguf.tensors:
-        name = _gguf_to_hf_name(tensor.name)
+        name = _gguf_to_hf_name(gguf, tensor.name)
         if name is None:
             continue
         data = _hf_row_order(gguf, arch, name, gguf.dequantize(tensor))
         yield name, torch.from_numpy(np.ascontiguousarray(data))
 
 
-def _gguf_to_hf_name(name: str) -> str | None:
+def _hf_row_order(gguf: GGUFFile, arch: ArchConfig, name: str, rows: np.ndarray) -> np.ndarray:
+    """A GGUF tensor's rows (dequantized values or quantized blocks) in the HF order."""
+    if gguf.metadata.get("general.architecture") not in ("llama", "mistral"):
+        return rows
+    heads = (arch.num_heads if name.endswith("q_proj.weight") else
+             arch.num_kv_heads if name.endswith("k_proj.weight") else 0)
+    if not heads:
+        return rows
+    if rows.ndim != 2 or rows.shape[0] % (2 * heads):
+        raise ModelFileError(gguf.path, f"tensor for {name}", f"shape {rows.shape} is not {heads} heads "
+                             "of an even number of rows", "GGUF")
+    return _unpermute_rope(rows, heads)
+
+
+def _gguf_to_hf_name(gguf: GGUFFile, name: str) -> str | None:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     parts = name.split(".")
@@ -126,5 +134,5 @@ def _gguf_to_hf_name(name: str) -> str | None:
         return None  # rope_freqs and other non-parameter tensors
     hf = _GGUF_LAYER_NAMES.get(parts[2])
     if hf is None:
-        raise ValueError(f"GGUF tensor {name!r} is not part of a supported Llama-family model")
+        raise ModelFileError(gguf.path, f"tensor {name!r}", "is not part of a supported Llama-family model", "GGUF")
     return f"layers.{parts[1]}.{hf}.{parts[3]}"

@@ -7,11 +7,13 @@ in the local HF cache, downloaded there first if needed (engine/hf_hub.py).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine.gguf_file import GGUFFile
 from engine.hf_hub import is_hub_id, snapshot_path
+from engine.model_errors import ModelFileError
 from engine.models.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config, load_hf_config
 
 # Built-in model name -> (package, file inside it)
@@ -67,8 +69,42 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
 
 
 def load_arch(source: ModelSource) -> ArchConfig:
-    """The architecture from config.json or the GGUF header; no weights are read."""
+    """The architecture from config.json or the GGUF header; no weights are read. Values of the
+    wrong type or range raise ModelFileError naming the file and the field."""
     if source.kind == "hf":
-        return arch_from_hf_config(load_hf_config(source.path))
+        cfg = load_hf_config(source.path)
+        if not isinstance(cfg, dict):
+            raise ModelFileError(source.path / "config.json", "config.json", "is not a JSON object", "HF config")
+        return _checked(source.path / "config.json", "HF config", lambda: arch_from_hf_config(cfg))
     gguf = GGUFFile(source.path)
-    return arch_from_gguf_metadata(gguf.metadata, {t.name for t in gguf.tensors})
+    names = {t.name for t in gguf.tensors}
+    arch = _checked(source.path, "GGUF", lambda: arch_from_gguf_metadata(gguf.metadata, names))
+    _check_gguf_sizes(source.path, arch, gguf)
+    return arch
+
+
+def _checked(path: Path, kind: str, read: Callable[[], ArchConfig]) -> ArchConfig:
+    try:
+        return read()
+    except ModelFileError:
+        raise
+    except KeyError as exc:
+        raise ModelFileError(path, str(exc.args[0]), "missing", kind) from None
+    except (TypeError, ValueError, OverflowError) as exc:   # int([...]), int("x"), a bad range
+        raise ModelFileError(path, "architecture", str(exc), kind) from None
+
+
+def _check_gguf_sizes(path: Path, arch: ArchConfig, gguf: GGUFFile) -> None:
+    """The header's sizes against the tensors the file holds, so that a forged block_count or
+    embedding_length is refused here instead of sizing a model far larger than the file."""
+    shapes = {t.name: t.shape for t in gguf.tensors}
+    embd = shapes.get("token_embd.weight")
+    if embd is None:
+        raise ModelFileError(path, "tensor 'token_embd.weight'", "missing", "GGUF")
+    if embd != (arch.vocab_size, arch.hidden_size):
+        raise ModelFileError(path, "tensor 'token_embd.weight'", f"shape {embd} does not match "
+                             f"(vocab_size, embedding_length) = ({arch.vocab_size}, {arch.hidden_size})", "GGUF")
+    layers = {name.split(".")[1] for name in shapes if name.startswith("blk.")}
+    if len(layers) != arch.num_layers or layers != {str(i) for i in range(arch.num_layers)}:
+        raise ModelFileError(path, "metadata block_count", f"{arch.num_layers} layers, but the file "
+                             f"holds tensors for {len(layers)} (blk.N.*)", "GGUF")

@@ -26,6 +26,11 @@ _INIT_RATIO, _MIN_RATIO, _RATIO_DECAY = 0.7, 0.14, 0.001
 _RETRACT_DECODE_STEPS = 20
 
 
+def _salt(seq: Sequence) -> bytes:
+    """The prefix-cache key of a request's first block: requests with different salts share none."""
+    return seq.params.cache_salt.encode()
+
+
 @dataclass
 class ScheduledBatch:
     prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num_new_tokens)
@@ -133,12 +138,12 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         if self.config.schedule_policy == "lpm" and len(self.waiting) > 1:
-            ranked = sorted(self.waiting, key=lambda s: -self.allocator.peek_prefix_blocks(s.all_token_ids))
+            ranked = sorted(self.waiting, key=lambda s: -self.allocator.peek_prefix_blocks(s.all_token_ids, _salt(s)))
             self.waiting = deque(ranked)
         reserved = self._reserved_blocks()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            num_hits = self.allocator.peek_prefix_blocks(seq.all_token_ids)
+            num_hits = self.allocator.peek_prefix_blocks(seq.all_token_ids, _salt(seq))
             num_computed = num_hits * self.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
             # Admit only with room for this chunk, and, while others run, for the whole prompt
@@ -150,7 +155,7 @@ class Scheduler:
             if needed > free or (self.running and prompt_blocks + reserved > free):
                 break
             self.waiting.popleft()
-            hits = self.allocator.match_prefix(seq.all_token_ids)
+            hits = self.allocator.match_prefix(seq.all_token_ids, _salt(seq))
             seq.block_ids = hits + self.allocator.allocate(needed)
             seq.num_computed_tokens = num_computed
             seq.num_cached_blocks = num_hits
@@ -186,7 +191,7 @@ class Scheduler:
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly full, computed blocks in the prefix cache."""
         seq.num_cached_blocks = self.allocator.cache_full_blocks(
-            seq.block_ids, seq.all_token_ids[:seq.num_computed_tokens], seq.num_cached_blocks)
+            seq.block_ids, seq.all_token_ids[:seq.num_computed_tokens], seq.num_cached_blocks, _salt(seq))
 
     def _release(self, seq: Sequence) -> None:
         # Reverse order: a sequence's tail blocks are the least likely to be shared, so they

@@ -103,7 +103,7 @@ class PrefillLoop(EngineLoop):
             except ValueError:
                 self.abort(job.request_id)  # the Submit is refused: leave nothing computing
                 raise
-        return self.engine.num_cached_prefix_tokens(job.prompt_token_ids)
+        return self.engine.num_cached_prefix_tokens(job.prompt_token_ids, job.params.cache_salt)
 
     def set_destination(self, request_id: str, destination: Destination) -> None:
         job = self.jobs.get(request_id)

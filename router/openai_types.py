@@ -87,6 +87,7 @@ class _SamplingFields(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    cache_salt: str | None = None   # vLLM's: only requests with the same salt share prefix-cache blocks
 
     def structured(self) -> tandem_pb2.StructuredOutputs | None:
         """The one output constraint the body asks for (None: free text); 400 naming the field
@@ -140,7 +141,8 @@ class _SamplingFields(BaseModel):
         bad = next((t for t in stop_token_ids if t not in _INT64), None)
         if bad is not None:
             raise invalid_request(f"stop_token_ids must be token ids, got {bad}", "stop_token_ids")
-        msg = tandem_pb2.Sampling(stop=stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos)
+        msg = tandem_pb2.Sampling(stop=stop, stop_token_ids=stop_token_ids, ignore_eos=self.ignore_eos,
+                                  cache_salt=self.cache_salt)
         structured = self.structured()
         if structured is not None:
             msg.structured_outputs.CopyFrom(structured)

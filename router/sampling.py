@@ -3,7 +3,8 @@
 The range checks themselves live in ``engine.config.check_sampling``, the one home the engine
 uses too, so the router refuses exactly what a worker would: a bad value is a clear 400 /
 INVALID_ARGUMENT naming the field before any worker sees it. On top of those the router checks
-what only it knows: the vocabulary (stop_token_ids), the stop strings it applies itself, and
+what only it knows: the vocabulary (stop_token_ids), the stop strings it applies itself, the
+``cache_salt`` it passes on to the workers (which mix it into the first KV block's hash), and
 prompt + max_tokens against max_model_len with both numbers in the message. A positive
 temperature too small to divide by (denormals included) is raised to MIN_TEMPERATURE, as vLLM does.
 
@@ -18,7 +19,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from engine.config import InvalidSamplingError, check_sampling, check_structured, clamp_temperature
+from engine.config import (
+    MAX_CACHE_SALT_CHARS,
+    InvalidSamplingError,
+    check_sampling,
+    check_structured,
+    clamp_temperature,
+)
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router.errors import invalid_request
 
@@ -54,6 +61,11 @@ def check_stop(stop) -> None:
     _check(all(0 < len(x) <= MAX_STOP_STRING_CHARS for x in stop),
            f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters", "stop")
     _check(not any(unencodable(x) for x in stop), "stop strings must be valid Unicode (no lone surrogates)", "stop")
+
+
+def check_cache_salt(salt: str) -> None:
+    _check(0 < len(salt) <= MAX_CACHE_SALT_CHARS,
+           f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}", "cache_salt")
 
 
 def output_grammar(public: tandem_pb2.StructuredOutputs, param: str = "structured_outputs") -> worker_pb2.OutputGrammar:
@@ -112,4 +124,7 @@ def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_mo
         params.temperature = clamp_temperature(values["temperature"])
     if "structured_outputs" in given:
         params.grammar.CopyFrom(output_grammar(s.structured_outputs))
+    if "cache_salt" in given:
+        check_cache_salt(s.cache_salt)
+        params.cache_salt = s.cache_salt
     return PreparedSampling(params, tuple(s.stop))

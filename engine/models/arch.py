@@ -38,6 +38,10 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {self.architecture!r}; Tandem supports "
                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -100,7 +104,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         num_layers=int(cfg["num_hidden_layers"]),
         num_heads=num_heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // max(num_heads, 1)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
@@ -154,7 +158,7 @@ def arch_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Arc
         num_layers=int(get("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(get("attention.head_count_kv", num_heads)),
-        head_dim=int(meta.get(f"{gguf_arch}.attention.key_length", hidden // num_heads)),
+        head_dim=int(meta.get(f"{gguf_arch}.attention.key_length", hidden // max(num_heads, 1))),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length", 2048)),

@@ -15,7 +15,8 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
     if msg.HasField("grammar"):
         g = msg.grammar
         values["structured"] = StructuredOutput(g.kind, g.spec, g.num_resumed_tokens)
-    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos, **values)
+    return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+                          cache_salt=msg.cache_salt, **values)
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
@@ -23,7 +24,8 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
                                     temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                                     min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                                     presence_penalty=params.presence_penalty,
-                                    frequency_penalty=params.frequency_penalty, max_tokens=params.max_tokens)
+                                    frequency_penalty=params.frequency_penalty, max_tokens=params.max_tokens,
+                                    cache_salt=params.cache_salt)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:
