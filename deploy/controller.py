@@ -52,6 +52,7 @@ from deploy.launch import ServiceProcess
 from deploy.prometheus_sd import TargetFile, target_groups
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
 from protos.auth import SECRET_ENV, SecretStub
+from protos.auth import metadata as secret_metadata
 from protos.limits import ROLES
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX
@@ -398,7 +399,9 @@ class Controller:
         return self._admin
 
     def _metadata(self) -> tuple:
-        return (("authorization", f"Bearer {self.spec.api_key}"),) if self.spec.api_key else ()
+        """The API key, and the cluster secret: with it GetCluster names the workers' addresses."""
+        key = (("authorization", f"Bearer {self.spec.api_key}"),) if self.spec.api_key else ()
+        return key + (secret_metadata(self.spec.cluster_secret) if self.spec.cluster_secret else ())
 
     def _register(self, r: Replica) -> None:
         self._admin_stub().RegisterWorker(admin_pb2.RegisterWorkerRequest(role=r.role, address=r.address),

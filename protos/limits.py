@@ -9,7 +9,11 @@ from __future__ import annotations
 
 ROLES = ("prefill", "decode")
 MAX_MESSAGE_BYTES = 64 << 20        # one gRPC message, either way, between router and workers
+#                                     (the router's public port takes max_request_body_bytes)
 MAX_REQUEST_ID_CHARS = 256          # a request id a worker accepts (kvtransfer's bound too)
-# Of a client's own request id: the router's internal id appends ".<16 hex>" and retries
-# ".retry<N>", which must stay within MAX_REQUEST_ID_CHARS.
+# Of a client's own request id: the router's internal id appends ".<16 hex>" (64 random bits per
+# request, router/dispatch.py) and retries ".retry<N>", which must stay within MAX_REQUEST_ID_CHARS.
 MAX_CLIENT_REQUEST_ID_CHARS = 200
+# Starts the SDK (router/client.py) puts in one Multiplex message; a router takes at least this
+# many in one message (max(max_waiting, this), router/grpc_api.py).
+MULTIPLEX_STARTS_PER_MESSAGE = 64

@@ -52,6 +52,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         decode_policy=args.decode_policy, max_waiting=args.max_waiting,
                         max_sub_requests=args.max_sub_requests, max_prompt_chars=args.max_prompt_chars,
                         max_request_body_bytes=args.max_request_body_bytes,
+                        grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,
+                        grpc_max_concurrent_streams=args.grpc_max_concurrent_streams,
                         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
                         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
                         max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import grpc
 
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
+from router.errors import clip
 from router.registry import WorkerRegistry
 
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -28,11 +29,12 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         try:
             self.registry.add(request.role, request.address)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, clip(str(exc), 256))
         refused = await self.registry.check_new(request.address)
         if refused:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"{request.role} worker {request.address} is not registered: {refused}")
+                                f"{request.role} worker {clip(request.address)} is not registered: "
+                                f"{clip(refused, 256)}")
         return admin_pb2.RegisterWorkerResponse()
 
     async def DeregisterWorker(self, request: admin_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext):

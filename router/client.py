@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from protos.limits import MAX_MESSAGE_BYTES
+from protos.limits import MAX_MESSAGE_BYTES, MULTIPLEX_STARTS_PER_MESSAGE
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router.session import PendingMessages, SessionStream, refusal
 
@@ -243,6 +243,18 @@ class _Multiplex(SessionStream):
 
     def _message(self, starts, aborts):
         return tandem_pb2.MultiplexRequest(start=starts, cancel=aborts)
+
+    def _messages(self, starts, aborts):
+        """As on any session, with at most MULTIPLEX_STARTS_PER_MESSAGE starts a message (what
+        every router takes in one); the aborts still go last."""
+        n = MULTIPLEX_STARTS_PER_MESSAGE
+        if len(starts) <= n:
+            return super()._messages(starts, aborts)
+        messages = []
+        for i in range(0, len(starts), n):
+            last = i + n >= len(starts)
+            messages += super()._messages(starts[i:i + n], aborts if last else [])
+        return messages
 
     def _answers(self, response):
         return response.events

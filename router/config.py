@@ -25,7 +25,11 @@ class RouterConfig:
     max_waiting: int = 1024                # sub-requests (prompts x n) waiting for their first token before 429
     max_sub_requests: int = 128            # prompts x n in one request; more is a 400
     max_prompt_chars: int = 4 << 20        # characters of a text prompt, or of all chat messages together
-    max_request_body_bytes: int = 16 << 20  # HTTP request body, checked before parsing (413)
+    max_request_body_bytes: int = 16 << 20  # HTTP request body, checked before parsing (413); also the
+    #                                        largest message the public gRPC port takes (RESOURCE_EXHAUSTED)
+    grpc_max_concurrent_rpcs: int = 4096   # gRPC calls in progress at once (Multiplex: one per stream); more
+    #                                        are refused with RESOURCE_EXHAUSTED, not queued
+    grpc_max_concurrent_streams: int = 1024   # HTTP/2 streams one gRPC connection may have open
     allowed_hosts: tuple[str, ...] = field(default_factory=tuple)   # HTTP Host header allow-list against
     #                                        DNS rebinding (host or host:port; empty = any host)
     heartbeat_interval_s: float = 1.0      # Stats poll period per worker
@@ -49,7 +53,8 @@ class RouterConfig:
             raise ValueError(f"prefill_policy={self.prefill_policy!r}: use one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy={self.decode_policy!r}: use one of {DECODE_POLICIES}")
-        for name in ("max_waiting", "max_sub_requests", "max_prompt_chars", "max_request_body_bytes"):
+        for name in ("max_waiting", "max_sub_requests", "max_prompt_chars", "max_request_body_bytes",
+                     "grpc_max_concurrent_rpcs", "grpc_max_concurrent_streams"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not (self.heartbeat_timeout_s > 0 and self.heartbeat_interval_s > 0):
@@ -87,7 +92,13 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
                    help="most characters in a text prompt or in all chat messages together")
     p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
-                   help="largest HTTP request body (413 beyond it, before parsing)")
+                   help="largest HTTP request body (413 beyond it, before parsing) and largest gRPC message "
+                        "(RESOURCE_EXHAUSTED)")
+    p.add_argument("--grpc-max-concurrent-rpcs", type=int, default=d.grpc_max_concurrent_rpcs,
+                   help="gRPC calls in progress at once (a Multiplex stream is one); more are refused with "
+                        "RESOURCE_EXHAUSTED")
+    p.add_argument("--grpc-max-concurrent-streams", type=int, default=d.grpc_max_concurrent_streams,
+                   help="HTTP/2 streams one gRPC connection may have open at once")
     p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
                    help="HTTP Host headers to answer (host or host:port; defends against DNS rebinding "
                         "when no API key is set); empty = any")

@@ -11,13 +11,15 @@ duplicated or missing. A prefill worker lost while its request still waits for K
 in place (docs/architecture.md#failure-handling): the prompt is re-submitted to another prefill worker and the decode
 worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``).
 
-A client's request id is a label: the workers see ``<label>.<16 hex>`` (8 random per router,
-then a count), unique per request, so a reused client id never joins or aborts another
-client's request (the caller keeps using its own id in responses). Retries use
-``<internal id>.retry<N>`` so a worker still cleaning up the old attempt never sees a clash. A
-request that fails twice for the same reason (worker addresses and ids aside) on different
-workers -- a poison request, not a bad worker -- is not tried on more; a worker removed from the
-registry is not such a reason.
+A client's request id is a label: the workers see ``<label>.<16 hex>``, 64 random bits drawn per
+request (os.urandom, half a microsecond), unique and unguessable, so a reused client id never
+joins or aborts another client's request, and a peer holding the cluster secret cannot aim an
+abort or a redirect at a request it has not seen (the caller keeps using its own id in
+responses). Retries use ``<internal id>.retry<N>`` so a worker still cleaning up the old
+attempt never sees a clash. A request that fails twice for the same reason (worker addresses
+and ids aside) on different workers -- a poison request, not a bad worker -- is not tried on
+more; a worker removed from the registry is not such a reason. The client hears which role
+failed and why, never a worker's address (the log line has it).
 
 Conditional disaggregation: a prompt of at most ``local_prefill_max_tokens`` tokens (0: none)
 goes to a decode worker alone (``GenerateRequest.local_prefill``), which computes it beside its
@@ -30,9 +32,8 @@ cancel the request on D's session and abort it on P's (both only queue a message
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import secrets
+import os
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
@@ -108,8 +109,6 @@ class Dispatcher:
         self.failover_wait_s = failover_wait_s
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.num_waiting = 0          # requests without their first token yet
-        self._id_prefix = secrets.token_hex(4)   # with a count: request ids no other router makes
-        self._id_count = itertools.count()
         self._attempts: dict[str, set[Attempt]] = {}
         self._background: set[asyncio.Task] = set()
         registry.on_removed(self._worker_removed)
@@ -123,7 +122,7 @@ class Dispatcher:
         ``abandon`` if that never runs."""
         progress = _Progress(list(prompt_token_ids),
                              sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
-        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{self._id_prefix}{next(self._id_count):08x}"
+        internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{os.urandom(8).hex()}"
         logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
         first = self._start(internal_id, progress, sampling, set())
         self.num_waiting += 1
@@ -184,15 +183,15 @@ class Dispatcher:
                         yield event
                         if attempt.finished:
                             return
-                    failure = "the decode stream ended without a finish_reason"
+                    role, failure = "decode", "the decode stream ended without a finish_reason"
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in RETRYABLE:
                         raise errors.from_worker(exc.code(), exc.details() or "") from None
-                    failure = f"decode stream: {exc.code().name}: {exc.details()}"
+                    role, failure = "decode", f"decode stream: {exc.code().name}: {exc.details()}"
                 except asyncio.CancelledError:
                     if (attempt.lost is None and attempt.submit_error is None) or asyncio.current_task().cancelling():
                         raise
-                    failure = self._describe_break(attempt)
+                    role, failure = self._describe_break(attempt)
                 finally:
                     self._end(attempt)
                 avoid |= self._suspects(attempt)
@@ -200,8 +199,12 @@ class Dispatcher:
                 if attempt.lost is None:
                     reason = self._reason(failure, attempt, request_id)
                     if reason in failures:
-                        raise errors.internal(f"request_id={request_id} failed twice for the same reason on "
-                                              f"different workers; not retrying: {failure}")
+                        logger.warning("request_id=%s failed twice for the same reason; not retrying: %s",
+                                       request_id, errors.clip(failure, errors.WORKER_DETAIL_CHARS))
+                        detail = errors.without_addresses(errors.clip(reason, errors.WORKER_DETAIL_CHARS),
+                                                          [w.address for w in self.registry.all()])
+                        raise errors.internal(f"the request failed twice for the same reason on different {role} "
+                                              f"workers; not retrying: {detail}")
                     failures.add(reason)
                 if len(progress.output_token_ids) >= progress.max_tokens:
                     # The stream broke after the last token but before its finish message.
@@ -209,10 +212,10 @@ class Dispatcher:
                                      len(progress.output_token_ids))
                     return
                 logger.warning("failing over request_id=%s after %d output tokens: %s", request_id,
-                               len(progress.output_token_ids), failure)
+                               len(progress.output_token_ids), errors.clip(failure, errors.WORKER_DETAIL_CHARS))
                 if self.on_failover is not None:
                     self.on_failover(failure)
-            raise errors.unavailable(f"request_id={request_id} failed on {self.max_attempts} worker pairs")
+            raise errors.unavailable(f"the request failed on {self.max_attempts} worker pairs")
         finally:
             if waiting:
                 self.num_waiting -= 1
@@ -328,14 +331,16 @@ class Dispatcher:
             assert isinstance(prefill.session, PrefillSession)
             prefill.session.abort(attempt.request_id)
 
-    def _describe_break(self, attempt: Attempt) -> str:
+    def _describe_break(self, attempt: Attempt) -> tuple[str, str]:
+        """The role that broke ``attempt`` and how."""
         if attempt.lost is not None:
-            return f"worker {attempt.lost} was removed"
+            role = "decode" if attempt.lost == attempt.decode.address else "prefill"
+            return role, f"worker {attempt.lost} was removed"
         exc = attempt.submit_error
         assert exc is not None and attempt.prefill is not None
         if exc.code() not in RETRYABLE:
             raise errors.from_worker(exc.code(), exc.details() or "") from None
-        return f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
+        return "prefill", f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
 
     @staticmethod
     def _reason(failure: str, attempt: Attempt, request_id: str) -> str:

@@ -1,7 +1,39 @@
-"""Errors a request can end with, and their HTTP status, OpenAI error type and gRPC code (router process)."""
+"""Errors a request can end with, and their HTTP status, OpenAI error type and gRPC code (router process).
+
+An error message quotes client input only through ``clip`` (and a worker's words through
+``from_worker``), so a 4 MB model name is not 4 MB of gRPC trailers or of a log line, and a
+control character reaches neither raw.
+"""
 from __future__ import annotations
 
+import re
+
 import grpc
+
+CLIP_CHARS = 64          # of client input quoted in a message
+WORKER_DETAIL_CHARS = 1024   # of a worker's error text passed on to the client
+# IP literals (with their port) in a worker's error text: which hosts serve is not the tenant's business.
+_IP_ADDRESS = re.compile(r"\b(?:\d{1,3}\.){3}\d{1,3}(?::\d+)?\b|\[[0-9A-Fa-f:.]+\](?::\d+)?")
+
+
+def clip(text: str, limit: int = CLIP_CHARS) -> str:
+    """``text`` fit to quote in an error message or a log line: at most ``limit`` of its
+    characters, then a marker with how many were left out; a character that is not printable
+    (control and format characters, lone surrogates, line separators) written as its escape."""
+    head = text[:limit]
+    if not head.isprintable():
+        head = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in head)
+    if len(text) > limit:
+        head += f"...<{len(text) - limit} more characters>"
+    return head
+
+
+def without_addresses(text: str, addresses: tuple[str, ...] | list[str] = ()) -> str:
+    """``text`` with ``addresses`` and any IP literal written as ``<worker>``."""
+    for address in addresses:
+        if address:
+            text = text.replace(address, "<worker>")
+    return _IP_ADDRESS.sub("<worker>", text)
 
 
 class RouterError(Exception):
@@ -33,8 +65,8 @@ def unauthorized() -> RouterError:
 
 
 def model_not_found(model: str, served: str) -> RouterError:
-    return RouterError(404, grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist; this router serves "
-                       f"{served!r}", "invalid_request_error", "model", "model_not_found")
+    return RouterError(404, grpc.StatusCode.NOT_FOUND, f"the model '{clip(model)}' does not exist; this router serves "
+                       f"'{served}'", "invalid_request_error", "model", "model_not_found")
 
 
 def overloaded(num_waiting: int, max_waiting: int, num_new: int = 1) -> RouterError:
@@ -51,7 +83,7 @@ def body_too_large(max_bytes: int) -> RouterError:
 
 
 def host_not_allowed(host: str) -> RouterError:
-    return RouterError(400, grpc.StatusCode.PERMISSION_DENIED, f"the Host header {host!r} is not allowed on this "
+    return RouterError(400, grpc.StatusCode.PERMISSION_DENIED, f"the Host header '{clip(host)}' is not allowed on this "
                        "server (--allowed-hosts)", "invalid_request_error", code="host_not_allowed")
 
 
@@ -71,6 +103,7 @@ _FROM_GRPC = {grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
 
 
 def from_worker(code: grpc.StatusCode, details: str) -> RouterError:
-    """A worker's refusal, passed on to the client."""
+    """A worker's refusal, passed on to the client: clipped, and with no IP address in it."""
     status, error_type = _FROM_GRPC.get(code, (500, "internal_error"))
-    return RouterError(status, code if status != 500 else grpc.StatusCode.INTERNAL, f"worker: {details}", error_type)
+    return RouterError(status, code if status != 500 else grpc.StatusCode.INTERNAL,
+                       f"worker: {without_addresses(clip(details, WORKER_DETAIL_CHARS))}", error_type)

@@ -10,9 +10,8 @@ aborts the request at both workers through the dispatcher.
 """
 from __future__ import annotations
 
-import itertools
 import json
-import secrets
+import os
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,8 @@ from router.registry import WorkerRegistry
 from router.sampling import prepare_sampling, unencodable
 from router.text_stream import TextStream
 
+MAX_PROMPT_TOKEN_IDS = 1 << 20   # a prompt_token_ids list before any worker told max_model_len
+MAX_CHAT_MESSAGES = 4096         # messages in one chat request
 
 @dataclass(frozen=True)
 class PreparedRequest:
@@ -66,14 +67,14 @@ class Frontend:
         self.max_waiting = config.max_waiting
         self.max_sub_requests = config.max_sub_requests
         self.max_prompt_chars = config.max_prompt_chars
-        self._id_prefix = secrets.token_hex(8)   # with a count: ids no other router makes, without a
-        self._id_count = itertools.count()       # random draw (a syscall) per request
 
     # -- preparing --------------------------------------------------------------------------
 
-    def new_request_id(self) -> str:
-        """The id of a request whose client gave none."""
-        return f"{self._id_prefix}{next(self._id_count):08x}"
+    @staticmethod
+    def new_request_id() -> str:
+        """The id of a request whose client gave none: 96 random bits (half a microsecond), so
+        no one guesses another client's id from their own."""
+        return os.urandom(12).hex()
 
     def check_model(self, model: str) -> None:
         if model and model != self.model_name:
@@ -91,6 +92,9 @@ class Frontend:
                                          "request_id")
         if unencodable(given):
             raise errors.invalid_request("request_id must be valid Unicode (no lone surrogates)", "request_id")
+        if not given.isprintable():   # the id goes end to end into every log line about the request
+            raise errors.invalid_request(f"request_id must hold printable characters only, got '{errors.clip(given)}'",
+                                         "request_id")
         return given or self.new_request_id()
 
     def prepare_prompt(self, prompt: str, prompt_token_ids: Sequence[int], sampling: tandem_pb2.Sampling,
@@ -106,6 +110,7 @@ class Frontend:
                 raise errors.invalid_request("the prompt must be valid Unicode (no lone surrogates)", "prompt")
             token_ids = self.tokenizer.encode(prompt)
         else:
+            self._check_num_prompt_tokens(len(prompt_token_ids))   # before the list is built element by element
             token_ids = [int(t) for t in prompt_token_ids]
             vocab = self.tokenizer.vocab_size
             if min(token_ids) < 0 or max(token_ids) >= vocab:
@@ -115,11 +120,26 @@ class Frontend:
             raise errors.invalid_request("the prompt is empty", "prompt")
         return self._prepare(token_ids, sampling, request_id, default_max_tokens)
 
+    def _check_num_prompt_tokens(self, num_tokens: int) -> None:
+        max_model_len = self.registry.max_model_len
+        if max_model_len is not None and num_tokens >= max_model_len:
+            raise errors.invalid_request(f"This model's maximum context length is {max_model_len} tokens, but the "
+                                         f"prompt has {num_tokens} tokens; shorten the prompt", "prompt")
+        if num_tokens > MAX_PROMPT_TOKEN_IDS:
+            raise errors.invalid_request(f"the prompt has {num_tokens} token ids, more than the router takes "
+                                         f"({MAX_PROMPT_TOKEN_IDS})", "prompt")
+
+    def check_num_messages(self, num_messages: int) -> None:
+        if not num_messages:
+            raise errors.invalid_request("messages is empty", "messages")
+        if num_messages > MAX_CHAT_MESSAGES:
+            raise errors.invalid_request(f"{num_messages} messages, more than the {MAX_CHAT_MESSAGES} one chat "
+                                         "request may hold", "messages")
+
     def prepare_chat(self, messages: list[dict], sampling: tandem_pb2.Sampling, request_id: str = "",
                      default_max_tokens: int | None = None, tools: list[dict] | None = None) -> PreparedRequest:
         """``tools`` go to the chat template (router/tool_choice.py decides which and how)."""
-        if not messages:
-            raise errors.invalid_request("messages is empty", "messages")
+        self.check_num_messages(len(messages))
         request_id = self._request_id(request_id)
         num_chars = len(json.dumps(tools)) if tools else 0
         for i, message in enumerate(messages):
@@ -139,7 +159,8 @@ class Frontend:
         try:
             token_ids = self.tokenizer.encode_chat(messages, tools=tools)
         except (jinja2.TemplateError, TypeError, ValueError) as exc:
-            raise errors.invalid_request(f"the chat template refused the messages: {exc}", "messages") from None
+            raise errors.invalid_request(f"the chat template refused the messages: {errors.clip(str(exc), 256)}",
+                                         "messages") from None
         return self._prepare(token_ids, sampling, request_id, default_max_tokens)
 
     def _prepare(self, token_ids: list[int], sampling: tandem_pb2.Sampling, request_id: str,

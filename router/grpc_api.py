@@ -17,6 +17,17 @@ bytes that are no message end the stream with INVALID_ARGUMENT. However the stre
 the client cancelled it, the connection dropped), every request still open on it is aborted at
 the workers.
 
+Bounds, so no one stream holds the loop or grows without end: a message may start at most
+``max(max_waiting, MULTIPLEX_STARTS_PER_MESSAGE)`` requests (more could never all wait for their
+first token; more ends the stream with INVALID_ARGUMENT before any of them is read; the SDK
+sends at most MULTIPLEX_STARTS_PER_MESSAGE a message), and at most ``4 x max_waiting`` requests
+may be open on one stream (a start beyond it fails its key with RESOURCE_EXHAUSTED, like a 429).
+A request is templated on the loop only when it is small in characters AND in messages, so
+100k empty messages go to a thread like one long one.
+
+``GetCluster`` names no worker addresses unless the call carries the cluster secret (the
+controller's does): see router/cluster.py.
+
 Also the API-key interceptor: with a key set, every Tandem call needs metadata
 ``authorization: Bearer KEY`` (health and reflection stay open, as load balancers expect).
 """
@@ -31,6 +42,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
+from protos.auth import check as check_secret
+from protos.limits import MULTIPLEX_STARTS_PER_MESSAGE
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router import errors
 from router.cluster import cluster_view
@@ -39,7 +52,10 @@ from router.frontend import Frontend, PreparedRequest, TextChunk
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
-INLINE_CHARS = 4 << 10   # smaller requests are tokenized on the loop (cheaper than a thread hop)
+INLINE_CHARS = 4 << 10   # smaller requests are tokenized on the loop (cheaper than a thread hop) ...
+INLINE_MESSAGES = 64     # ... when they also hold at most this many chat messages
+OPEN_PER_STREAM_PER_WAITING = 4   # a Multiplex stream holds at most this x max_waiting open requests
+YIELD_EVERY_STARTS = 64  # Multiplex: the loop is given back between this many starts of one message
 
 
 def chunk_to_proto(request_id: str, chunk: TextChunk) -> tandem_pb2.CompletionChunk:
@@ -100,8 +116,12 @@ async def _refuse_undecodable(request, context: grpc.aio.ServicerContext) -> Non
 
 
 class TandemServicer(tandem_pb2_grpc.TandemServicer):
-    def __init__(self, frontend: Frontend) -> None:
+    def __init__(self, frontend: Frontend, cluster_secret: str | None = None) -> None:
+        """``cluster_secret``: a GetCluster call carrying it sees the workers' addresses."""
         self.frontend = frontend
+        self._cluster_secret = cluster_secret
+        self.max_starts_per_message = max(frontend.max_waiting, MULTIPLEX_STARTS_PER_MESSAGE)
+        self.max_open_per_stream = OPEN_PER_STREAM_PER_WAITING * frontend.max_waiting
 
     def preparer(self, request: tandem_pb2.CompletionRequest | tandem_pb2.ChatRequest
                  ) -> tuple[Callable[[], PreparedRequest], bool]:
@@ -111,9 +131,13 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         if isinstance(request, tandem_pb2.ChatRequest):
             def prepare() -> PreparedRequest:
                 frontend.check_model(request.model)
+                frontend.check_num_messages(len(request.messages))   # before a dict is built per message
                 messages = [{"role": m.role, "content": m.content} for m in request.messages]
                 return frontend.prepare_chat(messages, request.sampling, request.request_id)
-            num_chars = sum(len(m.content) for m in request.messages)
+            # Counted before summed: the sum itself walks every message.
+            if len(request.messages) > INLINE_MESSAGES:
+                return prepare, False
+            num_chars = sum(len(m.content) + len(m.role) for m in request.messages)
         else:
             def prepare() -> PreparedRequest:
                 frontend.check_model(request.model)
@@ -158,8 +182,10 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             id=self.frontend.model_name, max_model_len=self.frontend.registry.max_model_len or 0, owned_by="tandem")])
 
     async def GetCluster(self, request, context):
-        return tandem_pb2.GetClusterResponse(workers=[tandem_pb2.WorkerStatus(**w)
-                                                      for w in cluster_view(self.frontend.registry)])
+        internal = (self._cluster_secret is not None
+                    and check_secret(context.invocation_metadata(), self._cluster_secret) is None)
+        return tandem_pb2.GetClusterResponse(workers=[tandem_pb2.WorkerStatus(**w) for w in
+                                                      cluster_view(self.frontend.registry, addresses=internal)])
 
 
 class Multiplexed:
@@ -213,7 +239,15 @@ class Multiplexed:
             async for message in requests:
                 if isinstance(message, Undecodable):
                     raise errors.invalid_request(f"a Multiplex message is not a valid message: {message.reason}")
-                for start in message.start:
+                num_starts = len(message.start)
+                if num_starts > self._servicer.max_starts_per_message:
+                    raise errors.invalid_request(
+                        f"a Multiplex message starts {num_starts} requests, more than the "
+                        f"{self._servicer.max_starts_per_message} one message may (max_waiting); send fewer per "
+                        "message", "start")
+                for i, start in enumerate(message.start):
+                    if i and i % YIELD_EVERY_STARTS == 0:
+                        await asyncio.sleep(0)   # the others' tokens go out between the starts of a big message
                     self._start(start)
                 for key in message.cancel:
                     task = self._open.pop(key, None)
@@ -231,6 +265,12 @@ class Multiplexed:
         key = start.key
         if key in self._open:
             raise errors.invalid_request(f"key {key} is already open on this Multiplex stream", "key")
+        if len(self._open) >= self._servicer.max_open_per_stream:
+            self._fail(key, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"{len(self._open)} requests are open on this Multiplex stream, the most one stream may "
+                       f"hold ({OPEN_PER_STREAM_PER_WAITING} x max_waiting); wait for some to finish or open "
+                       "another stream")
+            return
         which = start.WhichOneof("request")
         if which is None:
             self._fail(key, grpc.StatusCode.INVALID_ARGUMENT, "a start needs a completion or a chat request")

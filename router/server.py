@@ -85,15 +85,19 @@ class Router:
         if c.api_key:
             interceptors.append(ApiKeyInterceptor(c.api_key))
         interceptors.append(DecodeErrorInterceptor())
-        server = self._grpc = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.frontend), server)
+        # The public port takes what the HTTP API takes (its calls to the workers, on channels of
+        # their own, keep MAX_MESSAGE_BYTES); a call past the cap is refused, not queued.
+        server = self._grpc = grpc.aio.server(
+            interceptors=interceptors, maximum_concurrent_rpcs=c.grpc_max_concurrent_rpcs,
+            options=[("grpc.max_receive_message_length", c.max_request_body_bytes),
+                     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                     ("grpc.max_concurrent_streams", c.grpc_max_concurrent_streams)])
+        tandem_pb2_grpc.add_TandemServicer_to_server(TandemServicer(self.frontend, self._secret), server)
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.registry), server)
         health_servicer = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        reflection.enable_server_reflection([SERVICE_NAME, ADMIN_SERVICE_NAME, health.SERVICE_NAME,
-                                             reflection.SERVICE_NAME], server)
+        # Reflection lists the public services only: the admin service is the controller's.
+        reflection.enable_server_reflection([SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
         port = server.add_insecure_port(f"{c.host}:{c.grpc_port}")
         if port == 0:
             raise OSError(f"cannot bind gRPC to {c.host}:{c.grpc_port}")

@@ -11,6 +11,7 @@ import msgpack
 import pytest
 
 from protos.auth import SecretStub, require_secret
+from protos.auth import metadata as secret_metadata
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc, worker_pb2
 from router.client import AsyncTandemClient, InvalidArgument, TandemError
 from router.config import RouterConfig
@@ -22,6 +23,11 @@ from tests.router.fake_workers import FakeDecode, FakePrefill, FakeWorker, fake_
 def admin_stub(channel) -> SecretStub:
     """The router's admin service, called as the controller does: with the cluster secret."""
     return SecretStub(admin_pb2_grpc.AdminStub(channel), require_secret("the test"))
+
+
+def cluster_secret_metadata() -> tuple:
+    """What GetCluster needs to name the workers' addresses (the controller sends it)."""
+    return secret_metadata(require_secret("the test"))
 
 
 def run(loop_thread, tokenizer, body, timeout_s: float = 60.0, **cluster_options):
@@ -147,8 +153,9 @@ def test_register_and_deregister_rpcs_change_membership(loop_thread, tokenizer):
                 assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
                 found = await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=extra.address))
                 assert found.found and len(stub_call.healthy("decode")) == 1
-                cluster_view = await stub.GetCluster(tandem_pb2.GetClusterRequest())
-                assert extra.address not in {w.address for w in cluster_view.workers}
+                cluster_view = await stub.GetCluster(tandem_pb2.GetClusterRequest(),
+                                                     metadata=cluster_secret_metadata())
+                assert {w.address for w in cluster_view.workers} == {w.address for w in cluster.workers}
         finally:
             await extra.stop()
     run(loop_thread, tokenizer, body)
@@ -170,7 +177,8 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
             reply = await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
             assert reply.found
             registry.get(second.address).num_inflight -= 1000
-            view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest())).workers}
+            view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest(),
+                                                                  metadata=cluster_secret_metadata())).workers}
             assert view[first.address].draining and not view[second.address].draining
             new = await client.generate([1, 2, 3], max_tokens=4)      # goes to `second` only
             assert new.token_ids == fake_completion([1, 2, 3], 4)
@@ -178,7 +186,8 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
             assert [t for c in chunks for t in c.token_ids] == fake_completion([9, 8, 7], 30)
             assert registry.get(first.address).num_inflight == 0
             assert len(first.state.seen) == 1 and len(second.state.seen) == 1
-            view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest())).workers}
+            view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest(),
+                                                                  metadata=cluster_secret_metadata())).workers}
             assert view[first.address].num_requests == 1 and view[second.address].num_requests == 1
             assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address))).found
             assert registry.get(first.address) is None

@@ -37,6 +37,8 @@ def test_a_reused_client_request_id_never_joins_or_aborts_another_clients_reques
         await until(lambda: not decode.state.active)
         assert len(set(decode.state.seen)) == 3
         assert all(rid.startswith("same.") and len(rid) == len("same.") + 16 for rid in decode.state.seen)
+        # 64 random bits each: no run of ids shares a prefix that would let one guess the next.
+        assert len({rid[len("same."):][:8] for rid in decode.state.seen}) == 3
         assert len(decode.state.aborted) == 1   # only the abandoned one was aborted, by its own id
     run(loop_thread, tokenizer, body, decode_options={"token_interval_s": 0.01})
 
@@ -51,6 +53,8 @@ def test_a_request_failing_twice_for_the_same_reason_is_not_tried_on_more_worker
         assert err.value.code == grpc.StatusCode.INTERNAL
         assert "failed twice for the same reason" in err.value.details
         assert "fake decode failure" in err.value.details
+        assert "on different decode workers" in err.value.details
+        assert not any(d.address in err.value.details for d in cluster.decodes)
         assert sum(len(d.state.seen) for d in cluster.decodes) == 2
     run(loop_thread, tokenizer, body, num_decode=4)
 
@@ -68,8 +72,8 @@ def test_requests_without_a_client_id_get_distinct_ids_that_the_client_sees(loop
         assert all(len(one) == 1 for one in ids)   # one id per request, on every chunk
         ids = [one.pop() for one in ids]
         assert len(set(ids)) == 20 and all(ids)
-        # The id is a random prefix drawn once per router, then a count.
-        assert len({i[:16] for i in ids}) == 1 and all(len(i) >= 24 for i in ids)
+        # 96 random bits per request: one id tells nothing about the next.
+        assert len({i[:8] for i in ids}) == 20 and all(len(i) == 24 for i in ids)
         workers_see = set(cluster.decodes[0].state.seen)
         assert {rid.split(".")[0] for rid in workers_see} == set(ids)
     run(loop_thread, tokenizer, body)
