@@ -59,7 +59,12 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,
                         failover_wait_s=args.failover_wait_s,
                         local_prefill_max_tokens=args.local_prefill_max_tokens, tool_call_parser=args.tool_call_parser,
-                        enable_auto_tool_choice=args.enable_auto_tool_choice)
+                        enable_auto_tool_choice=args.enable_auto_tool_choice,
+                        http_header_timeout_s=args.http_header_timeout_s, http_body_timeout_s=args.http_body_timeout_s,
+                        http_min_body_rate=args.http_min_body_rate,
+                        http_keep_alive_timeout_s=args.http_keep_alive_timeout_s,
+                        http_max_connections=args.http_max_connections,
+                        metrics_without_api_key=args.metrics_without_api_key)
 
 
 async def serve(config: RouterConfig) -> int:

@@ -19,7 +19,7 @@ class RouterConfig:
     grpc_port: int = 50051                 # 0 picks a free port
     prefill: tuple[str, ...] = field(default_factory=tuple)   # prefill worker addresses
     decode: tuple[str, ...] = field(default_factory=tuple)    # decode worker addresses
-    api_key: str = ""                      # required Bearer token / metadata; empty = none
+    api_key: str = field(default="", repr=False)  # required Bearer token / metadata; empty = none; never printed
     prefill_policy: str = "cache_aware"
     decode_policy: str = "least_load"
     max_waiting: int = 1024                # sub-requests (prompts x n) waiting for their first token before 429
@@ -43,6 +43,14 @@ class RouterConfig:
     #                                        are prefilled by their decode worker, no prefill worker (0 = never)
     tool_call_parser: str = ""             # how the model writes tool calls (TOOL_CALL_PARSERS); "" = none
     enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free output
+    # HTTP connections (router/http_server.py): limits no real client reaches, so that no peer
+    # holds a connection or a worker slot by sending slowly or not at all
+    http_header_timeout_s: float = 20.0    # a request head must arrive whole within this (else 408, closed)
+    http_body_timeout_s: float = 30.0      # a request body is checked every this many seconds: 408 if
+    http_min_body_rate: int = 1024         # ... fewer than this many bytes/s came in (0: only a full stall)
+    http_keep_alive_timeout_s: float = 5.0  # an idle connection between requests is closed after this
+    http_max_connections: int = 4096       # open connections (or requests in progress) beyond this get 503
+    metrics_without_api_key: bool = False  # serve /metrics without the API key (it is Bearer-guarded with one)
 
     def __post_init__(self) -> None:
         for name in ("http_port", "grpc_port"):
@@ -72,6 +80,13 @@ class RouterConfig:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser "
                              f"{'|'.join(TOOL_CALL_PARSERS)})")
+        for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.http_min_body_rate < 0:
+            raise ValueError(f"http_min_body_rate must be >= 0 bytes/s, got {self.http_min_body_rate}")
+        if self.http_max_connections < 1:
+            raise ValueError(f"http_max_connections must be >= 1, got {self.http_max_connections}")
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
         object.__setattr__(self, "allowed_hosts", tuple(h.lower() for h in self.allowed_hosts))
@@ -102,6 +117,19 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-hosts", default="", metavar="HOST[,HOST...]",
                    help="HTTP Host headers to answer (host or host:port; defends against DNS rebinding "
                         "when no API key is set); empty = any")
+    p.add_argument("--http-header-timeout-s", type=float, default=d.http_header_timeout_s,
+                   help="seconds a request head may take to arrive (slower: 408 and the connection closed)")
+    p.add_argument("--http-body-timeout-s", type=float, default=d.http_body_timeout_s,
+                   help="a request body is checked every this many seconds: 408 and closed if it sent fewer "
+                        "than --http-min-body-rate bytes/s meanwhile")
+    p.add_argument("--http-min-body-rate", type=int, default=d.http_min_body_rate,
+                   help="bytes/s a request body must keep up (0 = only a body that stops is refused)")
+    p.add_argument("--http-keep-alive-timeout-s", type=float, default=d.http_keep_alive_timeout_s,
+                   help="idle seconds before a keep-alive HTTP connection is closed")
+    p.add_argument("--http-max-connections", type=int, default=d.http_max_connections,
+                   help="open HTTP connections (or requests in progress) beyond which requests get 503")
+    p.add_argument("--metrics-without-api-key", action="store_true",
+                   help="serve the router's /metrics without the API key (with --api-key it wants the key)")
     p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=("",) + TOOL_CALL_PARSERS,
                    help="how the model writes tool calls: hermes (<tool_call> tags: Qwen, Hermes, SmolLM2) or "
                         "llama3_json (Llama 3.x)")

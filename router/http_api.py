@@ -7,10 +7,18 @@
 Every bad request is answered with a 4xx before any stream byte, in this order and as cheaply
 as it can be: the Host header against ``allowed_hosts`` (DNS rebinding; /health stays open) and,
 with an API key, ``Authorization: Bearer KEY`` on /v1/*, both before the body is read; the body
-size against ``max_request_body_bytes`` (413) while it is read; then parsing, field checks, the
-fan-out cap (prompts x n) and, off the event loop for large requests, templating and
-tokenizing. A non-streaming request whose client disconnects is cancelled, which aborts it at
-both workers, as closing a stream does.
+size against ``max_request_body_bytes`` (413) while it is read; then parsing, the counts
+(prompts, token ids per prompt, messages) on the parsed JSON before pydantic builds a model per
+element, field checks, the fan-out cap (prompts x n) and, off the event loop for any body
+larger than INLINE_PREPARE_BYTES (content, message count and tool schemas all grow it),
+templating and tokenizing. A large non-streaming answer (n x max_tokens x top logprobs) is
+built and encoded off the loop too. A non-streaming request whose client disconnects is
+cancelled, which aborts it at both workers, as closing a stream does; a client gone during its
+upload is one log line. Connection-level limits (head size, header count, slow heads and
+bodies) are router/http_server.py's.
+
+With an API key, /metrics wants it too (unless ``metrics_without_api_key``), and /v1/cluster
+shows per-role counts and health only; the addresses stay on the Admin service.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ import orjson
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from protos.limits import ROLES
 from router import errors
@@ -39,11 +48,16 @@ from router.tool_choice import AnswerReader, ToolRequest, prompt_inputs
 
 logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-# Bodies and prompts under this size are parsed / tokenized on the loop: tens of microseconds,
+# Bodies under these sizes are parsed / templated and tokenized on the loop: tens of microseconds,
 # less than the hop to a thread. Anything larger goes to a thread so it never stalls the loop.
 INLINE_BYTES = 16 << 10
-INLINE_CHARS = 4 << 10
+INLINE_PREPARE_BYTES = 4 << 10
+INLINE_RESPONSE_ITEMS = 4096     # characters + logprob entries of a non-streaming answer built on the loop
 CLIENT_CLOSED_REQUEST = 499   # nginx's status for "the client went away first"; nobody reads it
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its request body was being read."""
 
 
 def _error_response(exc: errors.RouterError) -> JSONResponse:
@@ -57,6 +71,19 @@ def _sse(payload: dict, exact_json: bool = False) -> bytes:
     if exact_json:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
     return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _encode(payload: dict, exact_json: bool = False) -> bytes:
+    """A JSON body, with ``_sse``'s rule for non-finite logprobs."""
+    if exact_json:
+        return json.dumps(payload, separators=(",", ":")).encode()
+    return orjson.dumps(payload)
+
+
+def _num_items(chunks: list[TextChunk]) -> int:
+    """About how many values a non-streaming answer holds: characters and logprob entries."""
+    return sum(len(c.text) + len(c.logprobs) * (2 + (len(c.logprobs[0].top_token_ids) if c.logprobs else 0))
+               for c in chunks)
 
 
 def _has_non_finite(chunk: TextChunk) -> bool:
@@ -147,7 +174,7 @@ async def _client_gone(request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
     except Exception:  # noqa: BLE001 - a connection that cannot be watched is never reported gone
-        logger.debug("cannot watch %s for a disconnect", request.url.path, exc_info=True)
+        logger.debug("cannot watch %r for a disconnect", request.url.path, exc_info=True)
         await asyncio.get_running_loop().create_future()
 
 
@@ -157,6 +184,7 @@ class HttpApi:
         self.api_key = config.api_key
         self.allowed_hosts = frozenset(config.allowed_hosts)
         self.max_body_bytes = config.max_request_body_bytes
+        self.metrics_need_key = bool(config.api_key) and not config.metrics_without_api_key
         self.logprobs = LogprobFormatter(frontend.tokenizer)
         self.tool_call_parser = config.tool_call_parser
         self.enable_auto_tool_choice = config.enable_auto_tool_choice
@@ -176,25 +204,68 @@ class HttpApi:
         if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
             raise errors.unauthorized()
 
-    async def read(self, request: Request, model: type[Body]) -> Body:
-        """The body as ``model``: 413 as soon as it is known to be too large (Content-Length, or
-        the bytes read so far), before any parsing."""
+    async def read(self, request: Request, model: type[Body]) -> tuple[Body, int]:
+        """The body as ``model`` and its size in bytes: 413 as soon as it is known to be too large
+        (Content-Length, or the bytes read so far), before any parsing."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise errors.body_too_large(self.max_body_bytes)
         parts, nbytes = [], 0
-        async for part in request.stream():
-            nbytes += len(part)
-            if nbytes > self.max_body_bytes:
-                raise errors.body_too_large(self.max_body_bytes)
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                nbytes += len(part)
+                if nbytes > self.max_body_bytes:
+                    raise errors.body_too_large(self.max_body_bytes)
+                parts.append(part)
+        except ClientDisconnect:
+            logger.info("a client closed its connection during its upload to %s (%d bytes read)",
+                        request.url.path, nbytes)
+            raise ClientGone from None
         raw = b"".join(parts)
         if nbytes <= INLINE_BYTES:
-            return parse_body(raw, model)
-        return await asyncio.to_thread(parse_body, raw, model)
+            return parse_body(raw, model, self._check_sizes), nbytes
+        return await asyncio.to_thread(parse_body, raw, model, self._check_sizes), nbytes
 
-    async def _off_loop(self, num_chars: int, fn, *args):
-        return fn(*args) if num_chars <= INLINE_CHARS else await asyncio.to_thread(fn, *args)
+    def _check_sizes(self, data: dict) -> None:
+        """On the parsed JSON, before pydantic validates element by element: how many prompts,
+        token ids per prompt and messages (a 12 MB body holds 3M one-token prompts)."""
+        prompt, messages = data.get("prompt"), data.get("messages")
+        if isinstance(prompt, list) and prompt:
+            if isinstance(prompt[0], (list, str)):
+                if len(prompt) > self.frontend.max_sub_requests:
+                    raise errors.invalid_request(f"{len(prompt)} prompts, more than max_sub_requests="
+                                                 f"{self.frontend.max_sub_requests}", "prompt")
+                for i, ids in enumerate(prompt):
+                    if isinstance(ids, list):
+                        self._check_num_token_ids(len(ids), f"prompt.{i}")
+            else:
+                self._check_num_token_ids(len(prompt), "prompt")
+        if isinstance(messages, list):
+            self.frontend.check_num_messages(len(messages))
+
+    def _check_num_token_ids(self, num_tokens: int, param: str) -> None:
+        max_model_len = self.frontend.registry.max_model_len
+        if max_model_len is not None and num_tokens >= max_model_len:
+            raise errors.invalid_request(f"This model's maximum context length is {max_model_len} tokens, but the "
+                                         f"prompt has {num_tokens} tokens; shorten the prompt", param)
+        if num_tokens > self.frontend.max_prompt_chars:   # before any worker said: no token is shorter than a char
+            raise errors.invalid_request(f"the prompt has {num_tokens} token ids, more than max_prompt_chars="
+                                         f"{self.frontend.max_prompt_chars}", param)
+
+    @staticmethod
+    async def _off_loop(body_nbytes: int, fn, *args):
+        """``fn(*args)`` on the loop for a small body, else on a thread: templating and tokenizing
+        grow with the body (its text, its number of messages, its tool schemas), never beyond it."""
+        return fn(*args) if body_nbytes <= INLINE_PREPARE_BYTES else await asyncio.to_thread(fn, *args)
+
+    @staticmethod
+    async def _json(build, num_items: int) -> Response:
+        """The JSON answer ``build()`` returns, built and encoded on a thread when it holds more
+        than INLINE_RESPONSE_ITEMS characters and logprob entries (16 choices x thousands of
+        tokens x 20 top logprobs is seconds of Python)."""
+        if num_items <= INLINE_RESPONSE_ITEMS:
+            return Response(_encode(*build()), media_type="application/json")
+        return Response(await asyncio.to_thread(lambda: _encode(*build())), media_type="application/json")
 
     @staticmethod
     def _fan_out(first: PreparedRequest, n: int, seed: int | None, base: str, suffix: str) -> list[PreparedRequest]:
@@ -233,15 +304,14 @@ class HttpApi:
         return requests
 
     async def completions(self, request: Request):
-        body = await self.read(request, CompletionRequest)
+        body, nbytes = await self.read(request, CompletionRequest)
         if body.echo:
             raise errors.invalid_request("echo is not supported", "echo")
         self.frontend.check_model(body.model)
         prompts = body.prompts()
         self.frontend.check_fan_out(len(prompts), body.n)
         sampling = body.sampling(body.max_tokens, body.logprobs)
-        num_chars = sum(len(text) + len(ids) for text, ids in prompts)
-        requests = await self._off_loop(num_chars, self._prepare_completions, body, prompts, sampling)
+        requests = await self._off_loop(nbytes, self._prepare_completions, body, prompts, sampling)
         self.frontend.admit(len(requests))
         response_id = f"cmpl-{requests[0].request_id}"
         created = int(time.time())
@@ -253,11 +323,15 @@ class HttpApi:
         chunks = await self._respond(request, streams, stream_body)
         if not isinstance(chunks, list):
             return chunks
-        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
-                    "logprobs": self.logprobs.completion(c, 0) if body.logprobs is not None else None}
-                   for i, c in enumerate(chunks)]
-        return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(chunks)}
+
+        def build() -> tuple[dict, bool]:
+            choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason,
+                        "logprobs": self.logprobs.completion(c, 0) if body.logprobs is not None else None}
+                       for i, c in enumerate(chunks)]
+            return ({"id": response_id, "object": "text_completion", "created": created, "model": model,
+                     "choices": choices, "usage": _usage(chunks)},
+                    body.logprobs is not None and any(map(_has_non_finite, chunks)))
+        return await self._json(build, _num_items(chunks))
 
     async def _stream_completion(self, streams, response_id: str, created: int, model: str,
                                  body: CompletionRequest) -> AsyncIterator[str]:
@@ -298,7 +372,7 @@ class HttpApi:
                                        body.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice)
 
     async def chat(self, request: Request):
-        body = await self.read(request, ChatCompletionRequest)
+        body, nbytes = await self.read(request, ChatCompletionRequest)
         self.frontend.check_model(body.model)
         self.frontend.check_fan_out(1, body.n)
         sampling = body.sampling(body.max_output_tokens, body.num_logprobs)
@@ -306,8 +380,7 @@ class HttpApi:
         if tools is not None:
             tools.constrain(sampling)
         messages = [m.as_dict() for m in body.messages]
-        num_chars = sum(len(m["content"]) for m in messages)
-        requests = await self._off_loop(num_chars, self._prepare_chat, body, messages, sampling, tools)
+        requests = await self._off_loop(nbytes, self._prepare_chat, body, messages, sampling, tools)
         self.frontend.admit(len(requests))
         response_id = f"chatcmpl-{requests[0].request_id}"
         created = int(time.time())
@@ -319,18 +392,22 @@ class HttpApi:
         chunks = await self._respond(request, streams, stream_body)
         if not isinstance(chunks, list):
             return chunks
-        choices = []
-        for i, c in enumerate(chunks):
-            message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
-            if tools is not None:
-                parsed, finish = AnswerReader(tools).read(c.text, c.finish_reason)
-                message["content"] = (parsed.content or None) if parsed.tool_calls else parsed.content
-                if parsed.tool_calls:
-                    message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-            choices.append({"index": i, "message": message,
-                            "logprobs": self.logprobs.chat(c) if body.logprobs else None, "finish_reason": finish})
-        return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-                "choices": choices, "usage": _usage(chunks)}
+
+        def build() -> tuple[dict, bool]:
+            choices = []
+            for i, c in enumerate(chunks):
+                message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                if tools is not None:
+                    parsed, finish = AnswerReader(tools).read(c.text, c.finish_reason)
+                    message["content"] = (parsed.content or None) if parsed.tool_calls else parsed.content
+                    if parsed.tool_calls:
+                        message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+                choices.append({"index": i, "message": message, "finish_reason": finish,
+                                "logprobs": self.logprobs.chat(c) if body.logprobs else None})
+            return ({"id": response_id, "object": "chat.completion", "created": created, "model": model,
+                     "choices": choices, "usage": _usage(chunks)},
+                    body.logprobs and any(map(_has_non_finite, chunks)))
+        return await self._json(build, _num_items(chunks))
 
     async def _stream_chat(self, streams, response_id: str, created: int, model: str,
                            body: ChatCompletionRequest, tools: ToolRequest | None) -> AsyncIterator[str]:
@@ -376,6 +453,15 @@ def _tool_call_events(calls: list[ToolCall], first_index: int, choice_index: int
     if events and finish is not None:
         events.append({"index": choice_index, "delta": {}, "logprobs": None, "finish_reason": finish})
     return events
+
+
+def _role_counts(registry) -> dict[str, dict[str, int]]:
+    counts = {role: {"workers": 0, "healthy": 0} for role in ROLES}
+    for worker in registry.all():
+        role = counts.setdefault(worker.role, {"workers": 0, "healthy": 0})
+        role["workers"] += 1
+        role["healthy"] += bool(worker.healthy)
+    return counts
 
 
 def _with_seed(sampling, seed: int | None, j: int):
@@ -432,6 +518,10 @@ def create_app(frontend: Frontend, config: RouterConfig) -> FastAPI:
     async def router_error(request: Request, exc: errors.RouterError):
         return _error_response(exc)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone):
+        return Response(status_code=CLIENT_CLOSED_REQUEST)   # nobody reads it: the client is gone
+
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -441,7 +531,7 @@ def create_app(frontend: Frontend, config: RouterConfig) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
-        logger.exception("unexpected error on %s", request.url.path)
+        logger.exception("unexpected error on %r", request.url.path)
         return _error_response(errors.internal(f"internal error: {type(exc).__name__}"))
 
     guarded = [Depends(api.check_key)]      # Host and API key: before the body is read
@@ -462,6 +552,8 @@ def create_app(frontend: Frontend, config: RouterConfig) -> FastAPI:
 
     @app.get("/v1/cluster", dependencies=guarded)
     async def cluster():
+        if config.api_key:   # tenants: how many workers of each role serve, not where
+            return {"roles": _role_counts(frontend.registry)}
         return {"workers": cluster_view(frontend.registry)}
 
     @app.get("/health")
@@ -469,7 +561,7 @@ def create_app(frontend: Frontend, config: RouterConfig) -> FastAPI:
         ok = all(frontend.registry.healthy(role) for role in ROLES)
         return JSONResponse({"status": "ok" if ok else "degraded"}, status_code=200 if ok else 503)
 
-    @app.get("/metrics", dependencies=host_checked)
+    @app.get("/metrics", dependencies=guarded if api.metrics_need_key else host_checked)
     async def metrics():
         return Response(frontend.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -30,6 +30,7 @@ from router.dispatch import Dispatcher
 from router.frontend import Frontend
 from router.grpc_api import SERVICE_NAME, ApiKeyInterceptor, DecodeErrorInterceptor, TandemServicer
 from router.http_api import create_app
+from router.http_server import http_config
 from router.metrics import RouterMetrics
 from router.policies import make_policy
 from router.registry import WorkerRegistry
@@ -112,10 +113,7 @@ class Router:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((c.host, c.http_port))
         sock.set_inheritable(True)
-        app = create_app(self.frontend, c)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2, backlog=2048)
-        self._http = _UvicornServer(config)
+        self._http = _UvicornServer(http_config(create_app(self.frontend, c), c))
         self._http_task = asyncio.get_running_loop().create_task(self._http.serve(sockets=[sock]), name="router-http")
         while not self._http.started:
             if self._http_task.done():
