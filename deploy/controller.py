@@ -78,7 +78,7 @@ class ServeSpec:
     tp: dict[str, int]                       # tensor-parallel ranks per replica, per role
     worker_flags: list[str]                  # engine knobs passed to every worker
     router_flags: list[str]                  # --host, ports, policies (not the API key)
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)   # never printed, like cluster_secret
     router_node_id: str = ""                 # the node `tandem serve` ran on (the controller's)
     # Where each role may run (router, prefill, decode): node addresses or hostnames, [] = any.
     node_sets: dict[str, list[str]] = field(default_factory=dict)
