@@ -165,7 +165,8 @@ def test_calls_past_the_concurrent_rpc_cap_are_resource_exhausted_not_queued(loo
     async def body(cluster):
         async with grpc.aio.insecure_channel(cluster.router.grpc_address) as channel:
             stub = tandem_pb2_grpc.TandemStub(channel)
-            request = tandem_pb2.CompletionRequest(prompt_token_ids=[1, 2], sampling=tandem_pb2.Sampling(max_tokens=200))
+            request = tandem_pb2.CompletionRequest(prompt_token_ids=[1, 2],
+                                                   sampling=tandem_pb2.Sampling(max_tokens=200))
             calls = [stub.Generate(request), stub.Generate(request)]
             for call in calls:
                 await call.read()   # both in progress
