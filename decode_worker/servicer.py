@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -31,27 +33,62 @@ from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 logger = logging.getLogger(__name__)
 
 
+MAX_PREFILL_CHANNELS = 64        # prefill workers this worker keeps a channel open to (LRU)
+MAX_ADDRESS_LEN = 255
+# host:port, host a DNS name, an IPv4 address or a bracketed IPv6 one: nothing gRPC would read as
+# a scheme (unix:, unix-abstract:, vsock:, dns:///...) or as several addresses.
+_ADDRESS = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+
+
+def prefill_address_error(address: str) -> str | None:
+    """Why a caller-supplied prefill worker address is refused, or None: a holder of the cluster
+    secret must not make this worker dial a unix socket or anything but a TCP host:port."""
+    match = _ADDRESS.fullmatch(address) if len(address) <= MAX_ADDRESS_LEN else None
+    if match is None or not 0 < int(match.group(1)) < 65536:
+        return f"prefill_address {address[:80]!r} is not a host:port"
+    return None
+
+
 class PrefillClients:
     """One aio channel per prefill worker address, used from the asyncio thread; every call
-    carries the cluster secret (``secret=None``: none, for in-process tests)."""
+    carries the cluster secret (``secret=None``: none, for in-process tests). At most
+    ``max_channels`` stay open: the least recently used is closed (its calls in flight get a
+    grace period) when another address is dialled, so callers cannot grow the cache without bound."""
 
-    def __init__(self, secret: str | None = None) -> None:
+    def __init__(self, secret: str | None = None, max_channels: int = MAX_PREFILL_CHANNELS) -> None:
         self._secret = secret
-        self._stubs: dict[str, worker_pb2_grpc.PrefillWorkerStub] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._max_channels = max_channels
+        self._open: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.PrefillWorkerStub]] = OrderedDict()
+        self._closing: set[asyncio.Task] = set()
+
+    def __len__(self) -> int:
+        return len(self._open)
 
     def stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
-        stub = self._stubs.get(address)
-        if stub is None:
-            channel = grpc.aio.insecure_channel(address)
-            self._channels.append(channel)
-            stub = worker_pb2_grpc.PrefillWorkerStub(channel)
-            stub = self._stubs[address] = stub if self._secret is None else SecretStub(stub, self._secret)
+        error = prefill_address_error(address)
+        if error is not None:
+            raise ValueError(error)
+        entry = self._open.get(address)
+        if entry is not None:
+            self._open.move_to_end(address)
+            return entry[1]
+        channel = grpc.aio.insecure_channel(address)
+        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        stub = stub if self._secret is None else SecretStub(stub, self._secret)
+        self._open[address] = (channel, stub)
+        while len(self._open) > self._max_channels:
+            _, (old, _) = self._open.popitem(last=False)
+            task = asyncio.get_running_loop().create_task(old.close(grace=5.0))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         return stub
 
     async def close(self) -> None:
-        for channel in self._channels:
+        for channel, _ in self._open.values():
             await channel.close()
+        self._open.clear()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class _Events:
@@ -201,6 +238,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                              "local_prefill, not both" if request.local_prefill else
                              "prefill_address is empty: name the prefill worker computing this prompt "
                              "or ask for local_prefill")
+        if request.prefill_address and (error := prefill_address_error(request.prefill_address)) is not None:
+            raise ValueError(error)
         return DecodeJob(request.request_id, prompt, params, request.prefill_address, sink=sink)
 
     def _stopped(self, job: DecodeJob, aio_loop: asyncio.AbstractEventLoop) -> None:
@@ -321,6 +360,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def SetPrefill(self, request: worker_pb2.SetPrefillRequest, context: grpc.aio.ServicerContext):
         if not request.request_id or not request.prefill_address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id and prefill_address are required")
+        if (error := prefill_address_error(request.prefill_address)) is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error)
         moved = await self.loop.run(lambda: self.loop.set_prefill(request.request_id, request.prefill_address))
         if not moved:
             await context.abort(grpc.StatusCode.NOT_FOUND,
