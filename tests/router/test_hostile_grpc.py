@@ -274,3 +274,27 @@ def test_a_request_failing_twice_hears_which_role_failed_not_where(loop_thread, 
             for w in workers:
                 await w.stop()
     loop_thread.run(main(), 60)
+
+
+def test_one_connection_holds_at_most_max_concurrent_streams(loop_thread, tokenizer):
+    """The HTTP/2 cap is per connection: a third call on a connection with two open waits (here
+    past its deadline), while a call on another connection is answered."""
+    async def body(cluster):
+        address = cluster.router.grpc_address
+        own = [("grpc.use_local_subchannel_pool", 1)]   # a connection each (channels share them by default)
+        async with grpc.aio.insecure_channel(address, options=own) as busy, \
+                grpc.aio.insecure_channel(address, options=own) as other:
+            stub = tandem_pb2_grpc.TandemStub(busy)
+            request = tandem_pb2.CompletionRequest(prompt_token_ids=[1, 2],
+                                                   sampling=tandem_pb2.Sampling(max_tokens=200))
+            calls = [stub.Generate(request), stub.Generate(request)]
+            for call in calls:
+                await call.read()   # both streams open on `busy`
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.ListModels(tandem_pb2.ListModelsRequest(), timeout=2)
+            assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            models = await tandem_pb2_grpc.TandemStub(other).ListModels(tandem_pb2.ListModelsRequest(), timeout=20)
+            assert [m.id for m in models.models] == [MODEL]
+            for call in calls:
+                call.cancel()
+    run(loop_thread, tokenizer, body, grpc_max_concurrent_streams=2, decode_options={"token_interval_s": 0.05})
