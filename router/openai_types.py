@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from protos.tandem.v1 import tandem_pb2
 from router.errors import RouterError, clip, invalid_request
+from router.json_limits import MAX_JSON_DEPTH
 from router.sampling import check_stop, output_grammar, unencodable
+from router.tool_choice import MAX_TOOLS
 
 MAX_N = 16
 _INT32 = range(-2**31, 2**31)
@@ -264,7 +266,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Tool] | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Union[Literal["auto", "none", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
 
@@ -282,7 +284,6 @@ class ChatCompletionRequest(_SamplingFields):
 Body = TypeVar("Body", bound=BaseModel)
 
 
-MAX_JSON_DEPTH = 128   # nesting of arrays and objects in a body; a JSON schema needs far fewer
 _DIGITS_TO_ZERO = bytes.maketrans(b"123456789", b"000000000")
 _LONG_DIGIT_RUN = b"0" * 20    # 20 digits in a row may be an integer past 64 bits
 _NUMBERS = frozenset((int, float, bool, type(None)))

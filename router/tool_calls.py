@@ -16,7 +16,8 @@ Every parser is incremental: ``feed(text)`` returns the content that is now cert
 calls completed so far, ``finish()`` the rest. A call is released only once its JSON is complete
 and valid, so a malformed call (bad JSON, not an object with a string ``name``, arguments that
 are not an object) turns back into plain content, verbatim, in streaming as in non-streaming
-responses; and the result is the same for any split of the text into chunks. Whitespace between
+responses; and the result is the same for any split of the text into chunks. JSON nested deeper
+than ``router.json_limits.MAX_JSON_DEPTH`` counts as malformed. Whitespace between
 content and a call is dropped; without calls the content is the model's text unchanged.
 """
 from __future__ import annotations
@@ -24,6 +25,8 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+
+from router.json_limits import loads_bounded
 
 _WHITESPACE = " \t\r\n"
 
@@ -69,10 +72,7 @@ def calls_from_json(value, require_arguments: bool = False) -> list[ToolCall] | 
             return None
         arguments = item.get("arguments", item.get("parameters", {}))
         if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return None
+            arguments = loads_bounded(arguments)
         if not isinstance(arguments, dict):
             return None
         calls.append(ToolCall(item["name"], json.dumps(arguments, ensure_ascii=False)))
@@ -80,10 +80,8 @@ def calls_from_json(value, require_arguments: bool = False) -> list[ToolCall] | 
 
 
 def _decode(text: str):
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
+    """The JSON value of ``text``; None if it is not JSON or nests too deep to write back out."""
+    return loads_bounded(text)
 
 
 class JsonValueScanner:

@@ -12,16 +12,27 @@
 A chat template that does not render ``tools`` (SmolLM2-135M-Instruct's) gets them described in
 a system message instead, in the format the configured parser reads, and earlier turns' tool
 calls and results are written as text in that format (``describe_tools``).
+
+Bounds (400 naming ``tools``): at most ``MAX_TOOLS`` tools (OpenAI's 128), names of at most
+``MAX_TOOL_NAME_CHARS``, each tool at most ``MAX_TOOL_CHARS`` of JSON and all together at most
+``MAX_TOOLS_CHARS`` (what a forced call's schema may hold), nested at most ``MAX_JSON_DEPTH``
+deep. Every check is linear in the size of the tools: this runs on the router's event loop.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
+from engine.config import MAX_STRUCTURED_SPEC_CHARS
 from router import errors
+from router.json_limits import MAX_JSON_DEPTH, json_depth, loads_bounded
 from router.tool_calls import PARSERS, ForcedParser, Parsed, ToolCallParser
 
 CHOICES = ("auto", "none", "required")
+MAX_TOOLS = 128
+MAX_TOOL_NAME_CHARS = 64
+MAX_TOOL_CHARS = 1 << 16                       # one tool as JSON text
+MAX_TOOLS_CHARS = MAX_STRUCTURED_SPEC_CHARS    # all of them: a forced call's schema holds them all
 
 
 @dataclass(frozen=True)
@@ -37,10 +48,8 @@ class ToolRequest:
                     parser_name: str, auto_enabled: bool) -> ToolRequest | None:
         """None when the request involves no tools; RouterError 400 for a choice that cannot hold."""
         tools = list(tools or [])
-        names = [t["function"]["name"] for t in tools]
-        duplicate = next((n for n in names if names.count(n) > 1), None)
-        if duplicate is not None:
-            raise errors.invalid_request(f"two tools are named {duplicate!r}", "tools")
+        check_tools(tools)
+        names = {t["function"]["name"] for t in tools}
         if isinstance(tool_choice, dict):
             name = tool_choice["function"]["name"]
             if name not in names:
@@ -101,6 +110,33 @@ class ToolRequest:
         return next(t["function"] for t in self.tools if t["function"]["name"] == name)
 
 
+def check_tools(tools: list[dict]) -> None:
+    """400 naming ``tools`` for too many tools, a name too long or given twice, a tool too large or
+    nested too deep; O(size of the tools)."""
+    if len(tools) > MAX_TOOLS:
+        raise errors.invalid_request(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    seen: set[str] = set()
+    total_chars = 0
+    for i, tool in enumerate(tools):
+        name = tool["function"]["name"]
+        if not 0 < len(name) <= MAX_TOOL_NAME_CHARS:
+            raise errors.invalid_request(f"tool names are 1 to {MAX_TOOL_NAME_CHARS} characters; tools[{i}]'s is "
+                                         f"{len(name)}", "tools")
+        if name in seen:
+            raise errors.invalid_request(f"two tools are named {name!r}", "tools")
+        seen.add(name)
+        if json_depth(tool) > MAX_JSON_DEPTH:
+            raise errors.invalid_request(f"tools[{i}] is nested more than {MAX_JSON_DEPTH} levels deep", "tools")
+        num_chars = len(json.dumps(tool, ensure_ascii=False))
+        if num_chars > MAX_TOOL_CHARS:
+            raise errors.invalid_request(f"tools[{i}] is {num_chars} characters of JSON, more than {MAX_TOOL_CHARS}",
+                                         "tools")
+        total_chars += num_chars
+        if total_chars > MAX_TOOLS_CHARS:
+            raise errors.invalid_request(f"the tools are more than {MAX_TOOLS_CHARS} characters of JSON together",
+                                         "tools")
+
+
 def _parameters(function: dict) -> dict:
     return function.get("parameters") or {"type": "object", "properties": {}}
 
@@ -144,10 +180,7 @@ def _call_as_text(call: dict, parser_name: str) -> str:
     function = call.get("function", call)
     arguments = function.get("arguments")
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            pass
+        arguments = loads_bounded(arguments, default=arguments)   # not JSON, or too deep: written as text
     if parser_name == "llama3_json":
         return json.dumps({"name": function.get("name"), "parameters": arguments}, ensure_ascii=False)
     return "<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments},
@@ -203,10 +236,7 @@ def _with_argument_objects(messages: list[dict]) -> list[dict]:
             calls = []
             for call in message["tool_calls"]:
                 function = dict(call["function"])
-                try:
-                    arguments = json.loads(function["arguments"])
-                except (ValueError, TypeError):
-                    arguments = None
+                arguments = loads_bounded(function["arguments"])   # None: not JSON, or too deep
                 if isinstance(arguments, dict):
                     function["arguments"] = arguments
                 calls.append({**call, "function": function})
