@@ -120,15 +120,15 @@ def _fan_out(batch: EventBatch) -> None:
 
 
 def _response(events: list[StreamEvent], params: SamplingParams
-              ) -> tuple[worker_pb2.GenerateResponse | None, bool, str | None]:
+              ) -> tuple[worker_pb2.GenerateResponse | None, bool, StreamEvent | None]:
     """One message for a request's events since its last one: (the message, or None when it
-    would be empty; whether the request is over; the error it failed with, if it did). An error
-    or a finish is a request's last event."""
+    would be empty; whether the request is over; the error event it failed with, if it did). An
+    error or a finish is a request's last event."""
     response = worker_pb2.GenerateResponse()
     k = params.logprobs or 0
     for event in events:
         if event.error is not None:
-            return (response if response.token_ids else None), True, event.error
+            return (response if response.token_ids else None), True, event
         response.token_ids.extend(event.token_ids)
         if params.logprobs is not None:
             response.logprobs.extend(logprobs_to_proto(t, e, k) for t, e in zip(event.token_ids, event.logprobs))
@@ -271,7 +271,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if response is not None:
                     yield response
                 if error is not None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, error)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, error.error)
         finally:
             if not finished:  # the client went away: free everything for this request now
                 self._stopped(job, aio_loop)
@@ -344,7 +344,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         del session.jobs[rid]
                     if error is not None:
                         out = out or worker_pb2.GenerateResponse()
-                        out.error_code, out.error = grpc.StatusCode.UNAVAILABLE.value[0], error
+                        out.error_code, out.error = grpc.StatusCode.UNAVAILABLE.value[0], error.error
+                        out.error_transient = error.transient
                     if out is not None:
                         out.request_id = rid
                         response.outputs.append(out)

@@ -52,6 +52,7 @@ class StreamEvent:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None          # the request failed; the stream ends with UNAVAILABLE
+    transient: bool = False           # ... because its KV transfer broke, not because of the request
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -270,7 +271,7 @@ class DecodeLoop(EngineLoop):
                 self.jobs.pop(request_id, None)
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer failed request_id=%s: %s", request_id, reason)
-                error = StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}")
+                error = StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}", transient=True)
                 self._outbox.append((job.sink, error))
 
     def _check_payload(self, payload: kvtransfer.NotifyPayload) -> str | None:

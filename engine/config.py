@@ -316,19 +316,15 @@ class StructuredOutput:
 
     ``spec`` by ``kind``: json_schema: the schema as JSON text; json_object: empty (any JSON
     object); regex: the pattern; choice: a JSON array of the allowed strings; grammar: EBNF
-    (xgrammar's dialect). ``num_resumed_tokens``: the prompt's last N tokens were generated under
-    this constraint by an earlier attempt (the router's failover re-sends prompt + output), so the
-    matcher accepts them before sampling. It is not part of the grammar's identity.
+    (xgrammar's dialect). A resumed request's matcher first accepts the output an earlier attempt
+    generated (``SamplingParams.num_resumed_tokens``).
     """
 
     kind: str
     spec: str = ""
-    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_structured(self.kind, self.spec)
-        if self.num_resumed_tokens < 0:
-            raise ValueError(f"num_resumed_tokens must be >= 0, got {self.num_resumed_tokens}")
 
 
 @dataclass(frozen=True)
@@ -338,6 +334,10 @@ class SamplingParams:
     ``top_k <= 0`` disables top-k; ``logprobs=None`` returns none, ``logprobs=k`` returns the
     sampled token's logprob plus the top ``k`` (0 <= k <= 20). With ``structured`` the logprobs
     are those of the grammar-masked logits (as in vLLM, where the mask comes before the sampler).
+    ``num_resumed_tokens``: the prompt's last N tokens are output an earlier attempt of this request
+    generated (the router's failover re-sends prompt + output); the grammar matcher accepts them
+    first, a seeded generator skips their draws and frequency/presence penalties count them as
+    output, so the stream goes on as the first attempt's would have.
     """
 
     temperature: float = 1.0
@@ -354,8 +354,11 @@ class SamplingParams:
     logprobs: int | None = None
     structured: StructuredOutput | None = None   # the output follows this grammar
     cache_salt: str = ""   # prefix-cache separation: only requests with the same salt share blocks
+    num_resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_resumed_tokens < 0:
+            raise ValueError(f"num_resumed_tokens must be >= 0, got {self.num_resumed_tokens}")
         if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
             raise ValueError(f"cache_salt is {len(self.cache_salt)} characters, more than {MAX_CACHE_SALT_CHARS}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))

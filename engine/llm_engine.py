@@ -109,7 +109,7 @@ class LLMEngine:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
         grammar = self._grammar(params, prompt_token_ids)
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_s=time.monotonic(),
-                       generator=make_generator(params.seed, self.runner.device), grammar=grammar)
+                       generator=self._generator(params, 0), grammar=grammar)
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
 
@@ -121,12 +121,10 @@ class LLMEngine:
         if request_id in self.sequences:
             raise ValueError(f"request_id={request_id!r} is already running")
         grammar = self._grammar(params, prompt_token_ids, first_token)
+        # The prefill worker drew the first token from this seed: skip that draw so the rest of
+        # the stream matches a colocated run.
         seq = Sequence(request_id, list(prompt_token_ids), params, arrival_s=time.monotonic(),
-                       generator=make_generator(params.seed, self.runner.device), grammar=grammar)
-        if seq.generator is not None and not params.greedy:
-            # The prefill worker drew the first token from this seed: skip that draw so the
-            # rest of the stream matches a colocated run.
-            advance_generator(seq.generator, self.runner.arch.vocab_size)
+                       generator=self._generator(params, 1), grammar=grammar)
         seq.block_ids = list(block_ids)
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.output_token_ids.append(first_token)
@@ -144,17 +142,26 @@ class LLMEngine:
             self.scheduler.add_running(seq)
         return seq
 
+    def _generator(self, params: SamplingParams, num_drawn_elsewhere: int):
+        """A seeded request's generator, past the draws of the tokens sampled before it gets here:
+        the output of an earlier attempt (``num_resumed_tokens``) and ``num_drawn_elsewhere``."""
+        generator = make_generator(params.seed, self.runner.device)
+        if generator is not None and not params.greedy:
+            for _ in range(params.num_resumed_tokens + num_drawn_elsewhere):
+                advance_generator(generator, self.runner.arch.vocab_size)
+        return generator
+
     def _grammar(self, params: SamplingParams, prompt_token_ids: list[int], *sampled: int):
         """The request's grammar matcher (None when unconstrained), resumed past the output an
         earlier attempt generated (the prompt's tail) and ``sampled``; ValueError when the
         constraint does not compile or those tokens do not follow it."""
-        constraint = params.structured
-        if constraint is None:
-            return None
-        num_resumed = constraint.num_resumed_tokens
+        num_resumed = params.num_resumed_tokens
         if num_resumed > len(prompt_token_ids):
             raise ValueError(f"num_resumed_tokens={num_resumed} is more than the prompt's "
                              f"{len(prompt_token_ids)} tokens")
+        constraint = params.structured
+        if constraint is None:
+            return None
         resumed = list(prompt_token_ids[len(prompt_token_ids) - num_resumed:]) if num_resumed else []
         return self.grammars.matcher(constraint, resumed + list(sampled))
 
@@ -260,8 +267,7 @@ class LLMEngine:
         extra = None if step_extra is None else step_extra(batch)
         logits = self.runner.execute(batch, hook, extra)
         sampling = self._sampling_seqs(batch)
-        sampled = self.sampler(logits, [SamplingRequest(s.params, s.prompt_token_ids, s.output_token_ids,
-                                                        s.generator, s.grammar) for s in sampling])
+        sampled = self.sampler(logits, [_sampling_request(s) for s in sampling])
         return self._postprocess(batch, sampling, sampled)
 
     def _sampling_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
@@ -319,3 +325,13 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _sampling_request(seq: Sequence) -> SamplingRequest:
+    """What the sampler sees of ``seq``: a resumed request's output starts in its prompt's tail."""
+    num_resumed = seq.params.num_resumed_tokens
+    if not num_resumed:
+        return SamplingRequest(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.generator, seq.grammar)
+    split = len(seq.prompt_token_ids) - num_resumed
+    return SamplingRequest(seq.params, seq.prompt_token_ids[:split],
+                           seq.prompt_token_ids[split:] + seq.output_token_ids, seq.generator, seq.grammar)

@@ -18,7 +18,9 @@ abort or a redirect at a request it has not seen (the caller keeps using its own
 responses). Retries use ``<internal id>.retry<N>`` so a worker still cleaning up the old
 attempt never sees a clash. A request that fails twice for the same reason (worker addresses
 and ids aside) on different workers -- a poison request, not a bad worker -- is not tried on
-more; a worker removed from the registry is not such a reason. The client hears which role
+more; a worker removed from the registry is not such a reason, nor a KV transfer that broke (the
+decode worker marks it ``error_transient``: a link or a write, not the request; ``max_attempts``
+still bounds it). The client hears which role
 failed and why, never a worker's address (the log line has it).
 
 Conditional disaggregation: a prompt of at most ``local_prefill_max_tokens`` tokens (0: none)
@@ -44,7 +46,7 @@ from protos.tandem.v1 import worker_pb2
 from router import errors
 from router.policies import Policy
 from router.registry import WorkerRegistry, WorkerState
-from router.session import DecodeSession, PrefillSession, SessionCall
+from router.session import DecodeSession, PrefillSession, SessionCall, WorkerFailure
 
 logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
@@ -154,6 +156,7 @@ class Dispatcher:
                     attempt = self._start(attempt_id, progress, sampling, avoid)
                 else:
                     attempt = first
+                transient = False   # a broken KV transfer: not the request's fault
                 try:
                     while responses := await attempt.call.take():
                         # One event for every message that came since the last (one per engine
@@ -188,6 +191,7 @@ class Dispatcher:
                     if exc.code() not in RETRYABLE:
                         raise errors.from_worker(exc.code(), exc.details() or "") from None
                     role, failure = "decode", f"decode stream: {exc.code().name}: {exc.details()}"
+                    transient = isinstance(exc, WorkerFailure) and exc.transient
                 except asyncio.CancelledError:
                     if (attempt.lost is None and attempt.submit_error is None) or asyncio.current_task().cancelling():
                         raise
@@ -196,7 +200,7 @@ class Dispatcher:
                     self._end(attempt)
                 avoid |= self._suspects(attempt)
                 await self._diagnose(attempt)
-                if attempt.lost is None:
+                if attempt.lost is None and not transient:
                     reason = self._reason(failure, attempt, request_id)
                     if reason in failures:
                         logger.warning("request_id=%s failed twice for the same reason; not retrying: %s",
@@ -263,9 +267,8 @@ class Dispatcher:
             params = worker_pb2.SamplingParams()
             params.CopyFrom(sampling)
             params.max_tokens = progress.max_tokens - len(progress.output_token_ids)
-            if params.HasField("grammar"):
-                # The prompt ends with the output streamed so far: both workers' matchers resume after it.
-                params.grammar.num_resumed_tokens = len(progress.output_token_ids)
+            # The prompt ends with the output streamed so far: grammar, seed and penalties resume after it.
+            params.num_resumed_tokens = len(progress.output_token_ids)
         prefill = None if self._local(progress) else self._pick("prefill", self.prefill_policy, prompt, avoid)
         decode = self._pick("decode", self.decode_policy, prompt, avoid)
         attempt = Attempt(attempt_id, prefill, decode)

@@ -39,8 +39,18 @@ def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
 
 
-def refusal(error_code: int, error: str) -> grpc.aio.AioRpcError:
-    return rpc_error(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error)
+class WorkerFailure(grpc.aio.AioRpcError):
+    """A request a worker failed or refused on a session stream. ``transient``: the failure is not
+    the request's own (its KV transfer broke), so it does not count toward the dispatcher's
+    "failed twice for the same reason"."""
+
+    def __init__(self, code: grpc.StatusCode, details: str, transient: bool = False) -> None:
+        super().__init__(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+        self.transient = transient
+
+
+def refusal(error_code: int, error: str, transient: bool = False) -> grpc.aio.AioRpcError:
+    return WorkerFailure(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error, transient)
 
 
 class SessionStream:
@@ -279,7 +289,7 @@ class SessionCall(PendingMessages):
         if response.token_ids:
             self._ready.append(response)
         if response.error_code:
-            self._end(refusal(response.error_code, response.error))
+            self._end(refusal(response.error_code, response.error, response.error_transient))
             return
         if not response.token_ids:
             self._ready.append(response)

@@ -14,9 +14,9 @@ def sampling_from_proto(msg: worker_pb2.SamplingParams) -> SamplingParams:
     values = {name: getattr(msg, name) for name in _OPTIONAL_FIELDS if msg.HasField(name)}
     if msg.HasField("grammar"):
         g = msg.grammar
-        values["structured"] = StructuredOutput(g.kind, g.spec, g.num_resumed_tokens)
+        values["structured"] = StructuredOutput(g.kind, g.spec)
     return SamplingParams(stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-                          cache_salt=msg.cache_salt, **values)
+                          cache_salt=msg.cache_salt, num_resumed_tokens=msg.num_resumed_tokens, **values)
 
 
 def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
@@ -25,15 +25,14 @@ def sampling_to_proto(params: SamplingParams) -> worker_pb2.SamplingParams:
                                     min_p=params.min_p, repetition_penalty=params.repetition_penalty,
                                     presence_penalty=params.presence_penalty,
                                     frequency_penalty=params.frequency_penalty, max_tokens=params.max_tokens,
-                                    cache_salt=params.cache_salt)
+                                    cache_salt=params.cache_salt, num_resumed_tokens=params.num_resumed_tokens)
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     if params.structured is not None:
         s = params.structured
-        msg.grammar.CopyFrom(worker_pb2.OutputGrammar(kind=s.kind, spec=s.spec,
-                                                      num_resumed_tokens=s.num_resumed_tokens))
+        msg.grammar.CopyFrom(worker_pb2.OutputGrammar(kind=s.kind, spec=s.spec))
     return msg
 
 

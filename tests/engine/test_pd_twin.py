@@ -210,3 +210,22 @@ def test_pd_twin_a_destination_that_comes_after_its_abort_is_cancelled_at_once(p
         assert time.monotonic() < deadline, "the decode worker's blocks were not freed"
         time.sleep(0.01)
     assert "late" not in prefill.early and not decode.jobs
+
+
+@pytest.mark.parametrize("num_resumed", [1, 5])
+def test_a_resumed_request_continues_as_its_first_attempt(pair, make_llm, tiny_model_dir, num_resumed):
+    """Failover re-sends prompt + the output streamed so far with ``num_resumed_tokens``: a seeded
+    request's draws and its frequency/presence penalties go on from there, so the resumed stream
+    (colocated, and through a prefill/decode pair) is the first attempt's tail. Without the field,
+    the seed restarts and the penalties forget the earlier output."""
+    prompt = [(11 * j) % 40000 + 100 for j in range(21)]
+    first = SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True,
+                           frequency_penalty=0.7, presence_penalty=0.4)
+    [ref] = _colocated(make_llm, tiny_model_dir, [prompt], [first])
+    resumed_prompt = prompt + ref[:num_resumed]
+    resumed = SamplingParams(temperature=0.9, seed=5, max_tokens=14 - num_resumed, ignore_eos=True,
+                             frequency_penalty=0.7, presence_penalty=0.4, num_resumed_tokens=num_resumed)
+    [colocated] = _colocated(make_llm, tiny_model_dir, [resumed_prompt], [resumed])
+    assert ref[:num_resumed] + colocated == ref
+    prefill, decode = pair(chunked_prefill_size=16)
+    assert ref[:num_resumed] + _run(prefill, decode, [resumed_prompt], [resumed])[0] == ref

@@ -38,8 +38,10 @@ def _chats(prompts):
     return [[{"role": "user", "content": p}] for p in prompts]
 
 
-def _params(constraint: StructuredOutput, temperature: float, seed: int | None = None, max_tokens: int = 48):
-    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, structured=constraint)
+def _params(constraint: StructuredOutput, temperature: float, seed: int | None = None, max_tokens: int = 48,
+            num_resumed_tokens: int = 0):
+    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, structured=constraint,
+                          num_resumed_tokens=num_resumed_tokens)
 
 
 @pytest.mark.parametrize("schema", [PERSON, FLAGS], ids=["person", "flags"])
@@ -107,7 +109,7 @@ def test_grammar_cache_compiles_each_schema_once_and_evicts_lru(smollm2_tokenize
     cache = GrammarCache(smollm2_tokenizer, 49152, smollm2_tokenizer.eos_token_ids, max_entries=2)
     a, b, c = (StructuredOutput("regex", r) for r in ("a+", "b+", "c+"))
     first = cache.compile(a)
-    assert cache.compile(StructuredOutput("regex", "a+", num_resumed_tokens=3)) is first   # same grammar
+    assert cache.compile(StructuredOutput("regex", "a+")) is first   # same grammar
     assert cache.num_compiled == 1
     cache.compile(b)
     cache.compile(a)          # a is now the most recent; b goes when c arrives
@@ -154,25 +156,26 @@ def test_decode_side_resumes_after_the_prefill_token(llm):
     assert ref.finish_reason == "stop"
     # A retry's prompt carries the 3 tokens already streamed; the prefill worker sampled the 4th.
     resumed = prompt + ref.token_ids[:3]
-    params = _params(StructuredOutput("json_schema", schema, num_resumed_tokens=3), 0.0,
-                     max_tokens=len(ref.token_ids) - 3)
-    prefill = llm.generate([resumed], SamplingParams(temperature=0.0, max_tokens=1, structured=params.structured))[0]
+    params = _params(StructuredOutput("json_schema", schema), 0.0, max_tokens=len(ref.token_ids) - 3,
+                     num_resumed_tokens=3)
+    prefill = llm.generate([resumed], SamplingParams(temperature=0.0, max_tokens=1, structured=params.structured,
+                                                     num_resumed_tokens=3))[0]
     assert prefill.token_ids == ref.token_ids[3:4]
     with pytest.raises(ValueError, match="cannot be resumed"):
         engine.add_prefilled("bad-first", resumed, params, [], first_token=engine.tokenizer.encode("x")[-1])
     assert "bad-first" not in engine.sequences
     # The rest, resumed after 4 tokens, continues the reference exactly and ends it with "stop".
     out = llm.generate([resumed + prefill.token_ids], _params(
-        StructuredOutput("json_schema", schema, num_resumed_tokens=4), 0.0, max_tokens=len(ref.token_ids) - 4))[0]
+        StructuredOutput("json_schema", schema), 0.0, max_tokens=len(ref.token_ids) - 4, num_resumed_tokens=4))[0]
     assert ref.token_ids[:4] + out.token_ids == ref.token_ids and out.finish_reason == "stop"
 
 
 def test_structured_params_round_trip_through_the_worker_proto():
     from engine.serving.convert import sampling_from_proto, sampling_to_proto
 
-    params = SamplingParams(temperature=0.5, max_tokens=9,
-                            structured=StructuredOutput("choice", '["a", "b"]', num_resumed_tokens=2))
+    params = SamplingParams(temperature=0.5, max_tokens=9, num_resumed_tokens=2,
+                            structured=StructuredOutput("choice", '["a", "b"]'))
     msg = sampling_to_proto(params)
-    assert (msg.grammar.kind, msg.grammar.spec, msg.grammar.num_resumed_tokens) == ("choice", '["a", "b"]', 2)
+    assert (msg.grammar.kind, msg.grammar.spec, msg.num_resumed_tokens) == ("choice", '["a", "b"]', 2)
     assert sampling_from_proto(msg) == params
     assert sampling_from_proto(sampling_to_proto(SamplingParams())).structured is None

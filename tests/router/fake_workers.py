@@ -133,6 +133,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.state = state
         self.token_interval_s = token_interval_s
         self.fail_after_tokens = fail_after_tokens   # end each stream with UNAVAILABLE after this many
+        self.fail_transient = False                  # ... marked as its KV transfer's failure (Session)
         self.stats_delay_s = 0.0                     # a slow (or, with a large value, hung) Stats
         self.stats_gone = False                      # Stats answers UNAVAILABLE (engine thread dead)
         self.refused_token: int | None = None        # a prompt holding it is refused (INVALID_ARGUMENT)
@@ -220,7 +221,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
                     wake.set()
             except _Refused as exc:
                 outputs.append(worker_pb2.GenerateResponse(request_id=rid, error_code=exc.code.value[0],
-                                                           error=exc.details))
+                                                           error=exc.details, error_transient=self.fail_transient))
                 wake.set()
             finally:
                 if running.get(rid) is asyncio.current_task():

@@ -77,3 +77,19 @@ def test_requests_without_a_client_id_get_distinct_ids_that_the_client_sees(loop
         workers_see = set(cluster.decodes[0].state.seen)
         assert {rid.split(".")[0] for rid in workers_see} == set(ids)
     run(loop_thread, tokenizer, body)
+
+
+def test_broken_kv_transfers_are_not_a_poison_request(loop_thread, tokenizer):
+    """A failure the decode worker marks transient (its KV transfer broke) is retried on every
+    pair max_attempts allows, however often it repeats: it is the link's fault, not the request's."""
+    async def body(cluster):
+        for decode in cluster.decodes:
+            decode.servicer.fail_after_tokens = 0
+            decode.servicer.fail_transient = True
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            with pytest.raises(TandemError) as err:
+                await client.generate([1, 2, 3], max_tokens=4)
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value.details
+        assert "failed on 4 worker pairs" in err.value.details
+        assert sum(len(d.state.seen) for d in cluster.decodes) == 4
+    run(loop_thread, tokenizer, body, num_decode=4)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\"\x89\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\t\x88\x01\x01\x12)\n\x07grammar\x18\r \x01(\x0b\x32\x18.tandem.v1.OutputGrammar\x12\x12\n\ncache_salt\x18\x0e \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"G\n\rOutputGrammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x03 \x01(\r\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x82\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\"b\n\x0eSubmitResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"P\n\x15PrefillSessionRequest\x12(\n\x06submit\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SubmitRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"D\n\x16PrefillSessionResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tandem.v1.SubmitResponse\"n\n\x15SetDestinationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x19\n\x11region_descriptor\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\"-\n\x16SetDestinationResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\"\xf0\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\"S\n\x14\x44\x65\x63odeSessionRequest\x12,\n\x08generate\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"E\n\x15\x44\x65\x63odeSessionResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.GenerateResponse\"@\n\x11SetPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\"\x14\n\x12SetPrefillResponse\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0e\n\x0cStatsRequest\"\xf0\x02\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x18\n\x10num_preallocated\x18\x04 \x01(\r\x12\x18\n\x10num_transferring\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x04\x12\x1b\n\x13prompt_tokens_per_s\x18\x08 \x01(\x01\x12\x18\n\x10gen_tokens_per_s\x18\t \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_retractions\x18\x0c \x01(\x04\x12\r\n\x05model\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x0f \x01(\t2\xf1\x02\n\rPrefillWorker\x12=\n\x06Submit\x12\x18.tandem.v1.SubmitRequest\x1a\x19.tandem.v1.SubmitResponse\x12R\n\x07Session\x12 .tandem.v1.PrefillSessionRequest\x1a!.tandem.v1.PrefillSessionResponse(\x01\x30\x01\x12U\n\x0eSetDestination\x12 .tandem.v1.SetDestinationRequest\x1a!.tandem.v1.SetDestinationResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponse2\xea\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12P\n\x07Session\x12\x1f.tandem.v1.DecodeSessionRequest\x1a .tandem.v1.DecodeSessionResponse(\x01\x30\x01\x12I\n\nSetPrefill\x12\x1c.tandem.v1.SetPrefillRequest\x1a\x1d.tandem.v1.SetPrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/worker.proto\x12\ttandem.v1\"\xa5\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\t \x03(\x03\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\t\x88\x01\x01\x12)\n\x07grammar\x18\r \x01(\x0b\x32\x18.tandem.v1.OutputGrammar\x12\x12\n\ncache_salt\x18\x0e \x01(\t\x12\x1a\n\x12num_resumed_tokens\x18\x0f \x01(\rB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobs\"1\n\rOutputGrammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\tJ\x04\x08\x03\x10\x04\"_\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\x03\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x82\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x04 \x01(\t\"b\n\x0eSubmitResponse\x12\x19\n\x11num_cached_tokens\x18\x01 \x01(\r\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x12\n\nerror_code\x18\x03 \x01(\r\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"P\n\x15PrefillSessionRequest\x12(\n\x06submit\x18\x01 \x03(\x0b\x32\x18.tandem.v1.SubmitRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"D\n\x16PrefillSessionResponse\x12*\n\x07results\x18\x01 \x03(\x0b\x32\x19.tandem.v1.SubmitResponse\"n\n\x15SetDestinationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x03\x12\x19\n\x11region_descriptor\x18\x03 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x04 \x01(\t\"-\n\x16SetDestinationResponse\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x9c\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x17\n\x0fprefill_address\x18\x04 \x01(\t\x12\x15\n\rlocal_prefill\x18\x05 \x01(\x08\"\x89\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12*\n\x08logprobs\x18\x02 \x03(\x0b\x32\x18.tandem.v1.TokenLogprobs\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_output_tokens\x18\x05 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\r\x12\x12\n\nrequest_id\x18\x07 \x01(\t\x12\x12\n\nerror_code\x18\x08 \x01(\r\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x17\n\x0f\x65rror_transient\x18\n \x01(\x08\"S\n\x14\x44\x65\x63odeSessionRequest\x12,\n\x08generate\x18\x01 \x03(\x0b\x32\x1a.tandem.v1.GenerateRequest\x12\r\n\x05\x61\x62ort\x18\x02 \x03(\t\"E\n\x15\x44\x65\x63odeSessionResponse\x12,\n\x07outputs\x18\x01 \x03(\x0b\x32\x1b.tandem.v1.GenerateResponse\"@\n\x11SetPrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fprefill_address\x18\x02 \x01(\t\"\x14\n\x12SetPrefillResponse\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0e\n\x0cStatsRequest\"\xf0\x02\n\rStatsResponse\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x18\n\x10num_preallocated\x18\x04 \x01(\r\x12\x18\n\x10num_transferring\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\x04\x12\x1b\n\x13prompt_tokens_per_s\x18\x08 \x01(\x01\x12\x18\n\x10gen_tokens_per_s\x18\t \x01(\x01\x12\x1c\n\x14prefix_cache_queries\x18\n \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x0b \x01(\x04\x12\x17\n\x0fnum_retractions\x18\x0c \x01(\x04\x12\r\n\x05model\x18\r \x01(\t\x12\x15\n\rmax_model_len\x18\x0e \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x0f \x01(\t2\xf1\x02\n\rPrefillWorker\x12=\n\x06Submit\x12\x18.tandem.v1.SubmitRequest\x1a\x19.tandem.v1.SubmitResponse\x12R\n\x07Session\x12 .tandem.v1.PrefillSessionRequest\x1a!.tandem.v1.PrefillSessionResponse(\x01\x30\x01\x12U\n\x0eSetDestination\x12 .tandem.v1.SetDestinationRequest\x1a!.tandem.v1.SetDestinationResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponse2\xea\x02\n\x0c\x44\x65\x63odeWorker\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12P\n\x07Session\x12\x1f.tandem.v1.DecodeSessionRequest\x1a .tandem.v1.DecodeSessionResponse(\x01\x30\x01\x12I\n\nSetPrefill\x12\x1c.tandem.v1.SetPrefillRequest\x1a\x1d.tandem.v1.SetPrefillResponse\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponse\x12:\n\x05Stats\x12\x17.tandem.v1.StatsRequest\x1a\x18.tandem.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,45 +32,45 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.worker_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=559
-  _globals['_OUTPUTGRAMMAR']._serialized_start=561
-  _globals['_OUTPUTGRAMMAR']._serialized_end=632
-  _globals['_TOKENLOGPROBS']._serialized_start=634
-  _globals['_TOKENLOGPROBS']._serialized_end=729
-  _globals['_SUBMITREQUEST']._serialized_start=732
-  _globals['_SUBMITREQUEST']._serialized_end=862
-  _globals['_SUBMITRESPONSE']._serialized_start=864
-  _globals['_SUBMITRESPONSE']._serialized_end=962
-  _globals['_PREFILLSESSIONREQUEST']._serialized_start=964
-  _globals['_PREFILLSESSIONREQUEST']._serialized_end=1044
-  _globals['_PREFILLSESSIONRESPONSE']._serialized_start=1046
-  _globals['_PREFILLSESSIONRESPONSE']._serialized_end=1114
-  _globals['_SETDESTINATIONREQUEST']._serialized_start=1116
-  _globals['_SETDESTINATIONREQUEST']._serialized_end=1226
-  _globals['_SETDESTINATIONRESPONSE']._serialized_start=1228
-  _globals['_SETDESTINATIONRESPONSE']._serialized_end=1273
-  _globals['_GENERATEREQUEST']._serialized_start=1276
-  _globals['_GENERATEREQUEST']._serialized_end=1432
-  _globals['_GENERATERESPONSE']._serialized_start=1435
-  _globals['_GENERATERESPONSE']._serialized_end=1675
-  _globals['_DECODESESSIONREQUEST']._serialized_start=1677
-  _globals['_DECODESESSIONREQUEST']._serialized_end=1760
-  _globals['_DECODESESSIONRESPONSE']._serialized_start=1762
-  _globals['_DECODESESSIONRESPONSE']._serialized_end=1831
-  _globals['_SETPREFILLREQUEST']._serialized_start=1833
-  _globals['_SETPREFILLREQUEST']._serialized_end=1897
-  _globals['_SETPREFILLRESPONSE']._serialized_start=1899
-  _globals['_SETPREFILLRESPONSE']._serialized_end=1919
-  _globals['_ABORTREQUEST']._serialized_start=1921
-  _globals['_ABORTREQUEST']._serialized_end=1955
-  _globals['_ABORTRESPONSE']._serialized_start=1957
-  _globals['_ABORTRESPONSE']._serialized_end=1972
-  _globals['_STATSREQUEST']._serialized_start=1974
-  _globals['_STATSREQUEST']._serialized_end=1988
-  _globals['_STATSRESPONSE']._serialized_start=1991
-  _globals['_STATSRESPONSE']._serialized_end=2359
-  _globals['_PREFILLWORKER']._serialized_start=2362
-  _globals['_PREFILLWORKER']._serialized_end=2731
-  _globals['_DECODEWORKER']._serialized_start=2734
-  _globals['_DECODEWORKER']._serialized_end=3096
+  _globals['_SAMPLINGPARAMS']._serialized_end=587
+  _globals['_OUTPUTGRAMMAR']._serialized_start=589
+  _globals['_OUTPUTGRAMMAR']._serialized_end=638
+  _globals['_TOKENLOGPROBS']._serialized_start=640
+  _globals['_TOKENLOGPROBS']._serialized_end=735
+  _globals['_SUBMITREQUEST']._serialized_start=738
+  _globals['_SUBMITREQUEST']._serialized_end=868
+  _globals['_SUBMITRESPONSE']._serialized_start=870
+  _globals['_SUBMITRESPONSE']._serialized_end=968
+  _globals['_PREFILLSESSIONREQUEST']._serialized_start=970
+  _globals['_PREFILLSESSIONREQUEST']._serialized_end=1050
+  _globals['_PREFILLSESSIONRESPONSE']._serialized_start=1052
+  _globals['_PREFILLSESSIONRESPONSE']._serialized_end=1120
+  _globals['_SETDESTINATIONREQUEST']._serialized_start=1122
+  _globals['_SETDESTINATIONREQUEST']._serialized_end=1232
+  _globals['_SETDESTINATIONRESPONSE']._serialized_start=1234
+  _globals['_SETDESTINATIONRESPONSE']._serialized_end=1279
+  _globals['_GENERATEREQUEST']._serialized_start=1282
+  _globals['_GENERATEREQUEST']._serialized_end=1438
+  _globals['_GENERATERESPONSE']._serialized_start=1441
+  _globals['_GENERATERESPONSE']._serialized_end=1706
+  _globals['_DECODESESSIONREQUEST']._serialized_start=1708
+  _globals['_DECODESESSIONREQUEST']._serialized_end=1791
+  _globals['_DECODESESSIONRESPONSE']._serialized_start=1793
+  _globals['_DECODESESSIONRESPONSE']._serialized_end=1862
+  _globals['_SETPREFILLREQUEST']._serialized_start=1864
+  _globals['_SETPREFILLREQUEST']._serialized_end=1928
+  _globals['_SETPREFILLRESPONSE']._serialized_start=1930
+  _globals['_SETPREFILLRESPONSE']._serialized_end=1950
+  _globals['_ABORTREQUEST']._serialized_start=1952
+  _globals['_ABORTREQUEST']._serialized_end=1986
+  _globals['_ABORTRESPONSE']._serialized_start=1988
+  _globals['_ABORTRESPONSE']._serialized_end=2003
+  _globals['_STATSREQUEST']._serialized_start=2005
+  _globals['_STATSREQUEST']._serialized_end=2019
+  _globals['_STATSRESPONSE']._serialized_start=2022
+  _globals['_STATSRESPONSE']._serialized_end=2390
+  _globals['_PREFILLWORKER']._serialized_start=2393
+  _globals['_PREFILLWORKER']._serialized_end=2762
+  _globals['_DECODEWORKER']._serialized_start=2765
+  _globals['_DECODEWORKER']._serialized_end=3127
 # @@protoc_insertion_point(module_scope)

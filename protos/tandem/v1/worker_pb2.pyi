@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "max_tokens", "ignore_eos", "logprobs", "grammar", "cache_salt")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "stop_token_ids", "max_tokens", "ignore_eos", "logprobs", "grammar", "cache_salt", "num_resumed_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -36,17 +37,16 @@ class SamplingParams(_message.Message):
     logprobs: int
     grammar: OutputGrammar
     cache_salt: str
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[OutputGrammar, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    num_resumed_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[OutputGrammar, _Mapping]] = ..., cache_salt: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class OutputGrammar(_message.Message):
-    __slots__ = ("kind", "spec", "num_resumed_tokens")
+    __slots__ = ("kind", "spec")
     KIND_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
-    NUM_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     kind: str
     spec: str
-    num_resumed_tokens: int
-    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ..., num_resumed_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, kind: _Optional[str] = ..., spec: _Optional[str] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
@@ -131,7 +131,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., prefill_address: _Optional[str] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "request_id", "error_code", "error")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "request_id", "error_code", "error", "error_transient")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -141,6 +141,7 @@ class GenerateResponse(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_CODE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_TRANSIENT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
     finish_reason: str
@@ -150,7 +151,8 @@ class GenerateResponse(_message.Message):
     request_id: str
     error_code: int
     error: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    error_transient: bool
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., error_code: _Optional[int] = ..., error: _Optional[str] = ..., error_transient: _Optional[bool] = ...) -> None: ...
 
 class DecodeSessionRequest(_message.Message):
     __slots__ = ("generate", "abort")
