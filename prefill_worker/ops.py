@@ -59,9 +59,11 @@ class Notify(MirroredOp):
                 and (p[1] is None or isinstance(p[1], float)) and type(p[3]) is int and type(p[4]) is int):
             raise ValueError(f"malformed {cls.TAG!r} op payload")
         try:
-            top = tuple((int(t), float(lp)) for t, lp in p[2])
-        except (TypeError, ValueError) as exc:
+            top = tuple((t, float(lp)) for t, lp in p[2] if type(t) is int and t >= 0)
+        except (TypeError, ValueError, OverflowError) as exc:   # not pairs, float(10**400)
             raise ValueError(f"malformed {cls.TAG!r} op top logprobs: {exc}") from None
+        if len(top) != len(p[2]):
+            raise ValueError(f"malformed {cls.TAG!r} op top logprobs: token ids must be ints >= 0")
         return cls(wire[1], kvtransfer.NotifyPayload(p[0], p[1], top, p[3], p[4]))
 
 
