@@ -88,7 +88,9 @@ def host_not_allowed(host: str) -> RouterError:
 
 
 def unavailable(message: str) -> RouterError:
-    return RouterError(503, grpc.StatusCode.UNAVAILABLE, message, "service_unavailable", code="no_worker")
+    """No worker can take the request now (a restart in progress): HTTP says when to retry."""
+    return RouterError(503, grpc.StatusCode.UNAVAILABLE, message, "service_unavailable", code="no_worker",
+                       retry_after_s=1)
 
 
 def internal(message: str) -> RouterError:

@@ -174,6 +174,7 @@ def test_no_worker_of_a_role_is_503(loop_thread, tokenizer):
     try:
         response = _post(f"http://{router.http_address}", "/v1/completions", {"model": MODEL, "prompt": "x"})
         _assert_error(response, 503, "service_unavailable", "no prefill worker")
+        assert response.headers["retry-after"] == "1"   # a restart in progress: clients back off
         assert httpx.get(f"http://{router.http_address}/health").status_code == 503
     finally:
         loop_thread.run(router.stop())
