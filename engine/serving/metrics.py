@@ -6,10 +6,11 @@ Runs in a prefill or decode worker process; every series carries ``role``. The d
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
+
+from engine.serving.metrics_server import HEAD_TIMEOUT_S, MAX_CONNECTIONS, MetricsServer
 
 
 class _ReceiverCounters:
@@ -73,7 +74,7 @@ class WorkerMetrics:
         self.itl = Histogram("tandem_inter_token_latency_seconds", "time between streamed tokens", ["role"],
                              registry=self.registry,
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)).labels(**labels)
-        self._server: WSGIServer | None = None
+        self._server: MetricsServer | None = None
         self._role = role
 
     def read_receiver(self, stats: Callable[[], dict[str, int]]) -> None:
@@ -81,14 +82,13 @@ class WorkerMetrics:
         /metrics is scraped, not on the engine step."""
         self.registry.register(_ReceiverCounters(stats, self._role))
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the /metrics HTTP server; returns the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
-        self._server = server
-        return server.server_address[1]
+    def serve(self, host: str, port: int, head_timeout_s: float = HEAD_TIMEOUT_S,
+              max_connections: int = MAX_CONNECTIONS) -> int:
+        """Start the /metrics HTTP server (engine/serving/metrics_server.py); returns the bound port."""
+        self._server = MetricsServer(self.registry, head_timeout_s, max_connections)
+        return self._server.start(host, port)
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.close()
             self._server = None
