@@ -28,6 +28,7 @@ from engine.config import (
 )
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router.errors import invalid_request
+from router.json_limits import MAX_JSON_DEPTH, loads_bounded
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -84,6 +85,10 @@ def output_grammar(public: tandem_pb2.StructuredOutputs, param: str = "structure
         check_structured(kind, spec)
     except ValueError as exc:
         raise invalid_request(f"{param}: {exc}", param) from None
+    # A schema given as text escapes the body's depth check, and a deep one takes the workers'
+    # grammar compiler minutes (900 nested arrays: 48 s on one core).
+    if kind == "json_schema" and loads_bounded(spec) is None:
+        raise invalid_request(f"{param}: the JSON schema is nested more than {MAX_JSON_DEPTH} levels deep", param)
     return worker_pb2.OutputGrammar(kind=kind, spec=spec)
 
 

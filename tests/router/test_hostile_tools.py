@@ -1,11 +1,13 @@
-"""Hostile tools and tool calls: bounded, linear, and never a 500 (router/tool_choice.py,
-router/tool_calls.py, router/json_limits.py).
+"""Hostile tools, tool calls and output schemas: bounded, linear, and never a 500
+(router/tool_choice.py, router/tool_calls.py, router/sampling.py, router/json_limits.py).
 
 A request's tools are checked on the router's event loop: at most 128 of them, names of at most
 64 characters given once, each tool and all of them bounded in JSON size and nesting, in time
 linear in their size (the duplicate check was quadratic: ~20k tools held the loop for seconds).
 Tool-call ``arguments`` nested past the recursion limit, from a client's earlier turn or from the
-model, are text that is not a call, as invalid JSON is, not a RecursionError.
+model, are text that is not a call, as invalid JSON is, not a RecursionError. A JSON schema
+given as text (gRPC, vLLM's ``guided_json`` / ``structured_outputs.json``) is held to the same
+nesting bound as a body: a deep one took the workers' grammar compiler most of a minute.
 """
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ import json
 import threading
 import time
 
+import grpc
 import httpx
 import pytest
 
+from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router import tool_choice
 from router.errors import RouterError
 from router.json_limits import MAX_JSON_DEPTH, json_depth, loads_bounded
@@ -31,6 +35,14 @@ DEEP_TEXT = "[" * 100_000 + "]" * 100_000      # json.loads of it raises Recursi
 def tool(name: str, parameters: dict | None = None) -> dict:
     function = {"name": name, "parameters": parameters or {"type": "object", "properties": {}}}
     return {"type": "function", "function": function}
+
+
+def array_schema(num_levels: int) -> dict:
+    """A JSON schema of arrays in arrays; as JSON it nests 2 x num_levels + 1 deep."""
+    schema: dict = {"type": "string"}
+    for _ in range(num_levels):
+        schema = {"type": "array", "items": schema}
+    return schema
 
 
 def nested(depth: int) -> dict:
@@ -115,6 +127,36 @@ def test_an_earlier_call_with_arguments_nested_100k_deep_is_written_as_text(clus
     response = post(cluster, {"messages": messages, "max_tokens": 2})
     assert param_of(response, 400) == "prompt"
     assert "maximum context length is 256 tokens" in response.json()["error"]["message"]
+
+
+DEEP_SCHEMA = json.dumps(array_schema(150))
+
+
+@pytest.mark.parametrize("field, param", [
+    ({"guided_json": DEEP_SCHEMA}, "guided_json"),
+    ({"structured_outputs": {"json": DEEP_SCHEMA}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": array_schema(150)}}},
+     "response_format"),
+])
+def test_an_output_schema_nested_too_deep_is_a_400_naming_it(cluster, field, param):
+    num_seen = [len(w.state.seen) for w in cluster.workers]
+    assert param_of(post(cluster, {"messages": HI, "max_tokens": 2, **field}), 400) == param
+    assert [len(w.state.seen) for w in cluster.workers] == num_seen
+
+
+def test_a_grpc_schema_nested_too_deep_is_invalid_argument_and_a_shallower_one_is_served(cluster):
+    def generate(schema: str) -> list:
+        constraint = tandem_pb2.StructuredOutputs(json_schema=schema)
+        sampling = tandem_pb2.Sampling(max_tokens=2, structured_outputs=constraint)
+        with grpc.insecure_channel(cluster.router.grpc_address) as channel:
+            return list(tandem_pb2_grpc.TandemStub(channel).Generate(
+                tandem_pb2.CompletionRequest(prompt="hi", sampling=sampling), timeout=30))
+
+    with pytest.raises(grpc.RpcError) as info:
+        generate(DEEP_SCHEMA)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs: the JSON schema is nested more than 128 levels deep" in info.value.details()
+    assert generate(json.dumps(array_schema(60)))[-1].finish_reason
 
 
 # -- the checks themselves ------------------------------------------------------------------------
