@@ -30,6 +30,7 @@ from engine.model_source import resolve_model
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
+_MAX_INCOMPLETE_TOKENS = 3   # a UTF-8 character has at most 3 bytes still to come, each in some token
 _GIL_FREE_ENCODE_CHARS = 4096
 
 # llama.cpp's token types (tokenizer.ggml.token_type).
@@ -408,8 +409,15 @@ class IncrementalDetokenizer:
     the ids not yet emitted. Each call decodes the window with and without the pending ids and
     emits the difference, so decoder rules that depend on neighbours (SentencePiece dropping the
     leading space of a text) see the same context as in a full decode, at O(window) cost. A
-    window whose text ends in U+FFFD stops mid-character and is held until completed.
+    window whose text ends in U+FFFD stops mid-character and is held until completed, but for at
+    most ``MAX_HELD_TOKENS`` pending ids: output that never completes a character (a model
+    emitting byte tokens that form no UTF-8) would otherwise grow the window, and the cost of
+    each call with it. Past that, the held text is emitted up to a cut that decodes the same on
+    both sides (a character boundary), keeping the last ``_MAX_INCOMPLETE_TOKENS`` ids, the most
+    a still-incomplete character can span: it has at most 3 of its 4 bytes, one or more a token.
     """
+
+    MAX_HELD_TOKENS = 16
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
@@ -419,22 +427,42 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Appends ``token_ids`` and returns the text they complete (possibly "")."""
-        self._ids.extend(token_ids)
-        return self._advance(final=False)
+        text = ""
+        for start in range(0, len(token_ids), self.MAX_HELD_TOKENS):  # a long chunk: window stays bounded
+            self._ids.extend(token_ids[start:start + self.MAX_HELD_TOKENS])
+            text += self._advance(final=False)
+        return text
 
     def finish(self) -> str:
         """Returns whatever text is still held back, even if it ends mid-character."""
         return self._advance(final=True)
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, self._skip_special_tokens) if ids else ""
+
     def _advance(self, final: bool) -> str:
         if len(self._ids) == self._read_offset:
             return ""
-        decode = self._tokenizer.decode
-        prefix_text = decode(self._ids[:self._read_offset], self._skip_special_tokens) if self._read_offset else ""
-        new_text = decode(self._ids, self._skip_special_tokens)
+        prefix_text = self._decode(self._ids[:self._read_offset])
+        new_text = self._decode(self._ids)
+        cut = len(self._ids)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR)):
-            return ""
+            if len(self._ids) - self._read_offset <= self.MAX_HELD_TOKENS:
+                return ""
+            cut = self._boundary(new_text)
+            new_text = self._decode(self._ids[:cut])
         # The ids just emitted become the next prefix; older ones are no longer needed.
         del self._ids[:self._read_offset]
-        self._read_offset = len(self._ids)
+        self._read_offset = cut - self._read_offset
         return new_text[len(prefix_text):]
+
+    def _boundary(self, text: str) -> int:
+        """Where to cut a held window that decodes to ``text``: the last index at most
+        ``_MAX_INCOMPLETE_TOKENS`` from the end whose two sides decode to ``text`` together (so
+        no character straddles it), or that index itself when none does."""
+        last = len(self._ids) - _MAX_INCOMPLETE_TOKENS
+        for cut in range(last, self._read_offset, -1):
+            head = self._decode(self._ids[:cut])
+            if text.startswith(head) and head + self._decode(self._ids[cut:]) == text:
+                return cut
+        return last
