@@ -19,9 +19,11 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from engine.config import StructuredOutput
+from engine.grammar_limits import check_grammar_cost, check_schema_shape, embedded_regexes
 
 if TYPE_CHECKING:
     import torch
@@ -30,12 +32,39 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 DEFAULT_CACHE_ENTRIES = 128
+DEFAULT_CACHE_BYTES = 256 << 20   # compiled grammars' own estimate (CompiledGrammar.memory_size_bytes)
 
 
 def _xgrammar():
     import xgrammar  # 3 s and transformers on first import: only once a request needs it
 
     return xgrammar
+
+
+def _canonical_spec(constraint: StructuredOutput) -> str:
+    """The spec as a cache key: JSON re-serialized compactly (key order kept: it is the order the
+    output's properties follow), so equal schemas sent with other whitespace or escapes hit."""
+    if constraint.kind in ("json_schema", "choice"):
+        parsed = json.loads(constraint.spec)
+        check_schema_shape(parsed)   # before anything recurses through it
+        return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"))
+    return constraint.spec
+
+
+def _grammar(kind: str, spec: str) -> Any:
+    """The constraint as an xgrammar.Grammar, not compiled yet (its EBNF is what the cost is
+    estimated from)."""
+    grammar = _xgrammar().Grammar
+    if kind == "json_schema":
+        # No free whitespace: a small model otherwise pads with newlines until max_tokens.
+        return grammar.from_json_schema(spec, any_whitespace=False)
+    if kind == "json_object":
+        return grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+    if kind == "regex":
+        return grammar.from_regex(spec)
+    if kind == "choice":
+        return grammar.from_ebnf(_choice_grammar(spec))
+    return grammar.from_ebnf(spec)
 
 
 def _choice_grammar(spec: str) -> str:
@@ -64,25 +93,33 @@ class GrammarState:
 
 
 class GrammarCache:
-    """Compiles constraints for one tokenizer, keeping the last ``max_entries`` compiled grammars
-    (LRU keyed by kind + spec text; the cache belongs to this tokenizer and vocabulary size).
+    """Compiles constraints for one tokenizer, keeping the most recently used compiled grammars up
+    to ``max_entries`` of them and ``max_bytes`` of compiled size (LRU keyed by kind + canonical
+    spec, so schemas that differ only in whitespace or escapes share an entry; the cache belongs
+    to this tokenizer and vocabulary size).
 
     Thread-safe: the workers' servicers compile off the engine thread (so a new schema is
     checked, and refused with a clear error, before the request is queued) and the engine thread
-    then finds it here.
+    then finds it here. Concurrent compiles of one key are single-flight: the first caller
+    compiles, the others wait for its grammar (or its error). A constraint whose estimated
+    compile cost exceeds engine.grammar_limits' budget is refused before compiling.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Iterable[int],
-                 max_entries: int = DEFAULT_CACHE_ENTRIES) -> None:
+                 max_entries: int = DEFAULT_CACHE_ENTRIES, max_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._stop_token_ids = sorted(set(stop_token_ids))
         self._max_entries = max_entries
+        self._max_bytes = max_bytes
         self._compiler: Any = None
         self._compiler_lock = threading.Lock()
         self._lock = threading.Lock()
         self._compiled: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._nbytes: dict[tuple[str, str], int] = {}
+        self._in_flight: dict[tuple[str, str], Future] = {}
         self.num_compiled = 0    # compilations done (cache misses)
+        self.cached_nbytes = 0   # compiled size of the grammars held
 
     def _get_compiler(self) -> Any:
         with self._compiler_lock:
@@ -99,38 +136,58 @@ class GrammarCache:
 
     def compile(self, constraint: StructuredOutput) -> Any:
         """The compiled grammar (xgrammar.CompiledGrammar); ValueError naming the problem when
-        the schema, regex, choice or grammar cannot be compiled."""
-        key = (constraint.kind, constraint.spec)
+        the schema, regex, choice or grammar cannot be compiled or would cost too much to."""
+        try:
+            key = (constraint.kind, _canonical_spec(constraint))
+        except ValueError as exc:
+            raise ValueError(f"invalid {constraint.kind}: {exc}") from None
         with self._lock:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled
-        compiler = self._get_compiler()
+            pending = self._in_flight.get(key)
+            owner = pending is None
+            if owner:
+                pending = self._in_flight[key] = Future()
+        if not owner:
+            return pending.result()   # the same grammar, compiled (or refused) by the first caller
         try:
-            compiled = self._compile(compiler, constraint)
-        except (RuntimeError, ValueError, TypeError) as exc:   # xgrammar raises RuntimeError from C++
-            raise ValueError(f"invalid {constraint.kind}: {_first_line(exc)}") from None
+            compiled = self._compile_new(constraint.kind, key[1])
+        except BaseException as exc:
+            with self._lock:
+                del self._in_flight[key]
+            pending.set_exception(exc)
+            raise
         with self._lock:
-            self.num_compiled += 1
-            self._compiled[key] = compiled
-            while len(self._compiled) > self._max_entries:
-                self._compiled.popitem(last=False)
+            del self._in_flight[key]
+            self._store(key, compiled)
+        pending.set_result(compiled)
         return compiled
 
-    @staticmethod
-    def _compile(compiler: Any, constraint: StructuredOutput) -> Any:
-        kind, spec = constraint.kind, constraint.spec
-        if kind == "json_schema":
-            # No free whitespace: a small model otherwise pads with newlines until max_tokens.
-            return compiler.compile_json_schema(spec, any_whitespace=False)
-        if kind == "json_object":
-            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
-        if kind == "regex":
-            return compiler.compile_regex(spec)
-        if kind == "choice":
-            return compiler.compile_grammar(_choice_grammar(spec))
-        return compiler.compile_grammar(spec)
+    def _store(self, key: tuple[str, str], compiled: Any) -> None:
+        """Under ``self._lock``: add ``compiled``, then evict the least recently used grammars
+        until both bounds hold (the newest stays even when it alone exceeds ``max_bytes``)."""
+        self.num_compiled += 1
+        nbytes = int(compiled.memory_size_bytes)
+        self._compiled[key] = compiled
+        self._nbytes[key] = nbytes
+        self.cached_nbytes += nbytes
+        while len(self._compiled) > 1 and (len(self._compiled) > self._max_entries
+                                           or self.cached_nbytes > self._max_bytes):
+            old, _ = self._compiled.popitem(last=False)
+            self.cached_nbytes -= self._nbytes.pop(old)
+
+    def _compile_new(self, kind: str, spec: str) -> Any:
+        compiler = self._get_compiler()
+        try:
+            grammar = _grammar(kind, spec)
+            ebnf = str(grammar)
+            check_grammar_cost(kind, ebnf + "".join(f"\n{_xgrammar().Grammar.from_regex(pattern)}"
+                                                    for pattern in embedded_regexes(ebnf)))
+            return compiler.compile_grammar(grammar)
+        except (RuntimeError, ValueError, TypeError) as exc:   # xgrammar raises RuntimeError from C++
+            raise ValueError(f"invalid {kind}: {_first_line(exc)}") from None
 
     def matcher(self, constraint: StructuredOutput, generated_token_ids: Sequence[int] = ()) -> GrammarState:
         """A matcher that has accepted ``generated_token_ids`` (what earlier attempts or the

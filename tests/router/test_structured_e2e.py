@@ -125,13 +125,20 @@ def test_invalid_schema_is_a_400_before_any_byte(cluster, stream):
     bad = [({"response_format": _schema_format({"type": "object", "properties": {"a": {"$ref": "#/missing"}}})},
             "worker: invalid json_schema"),                                   # only xgrammar can tell
            ({"guided_regex": "(unclosed"}, "worker: invalid regex"),
+           ({"guided_regex": "[^x]" * 1000}, "worker: invalid regex: the regex is too costly to compile"),  # was 5 s
+           ({"response_format": _schema_format({"type": "object", "properties": {
+               f"p{i}": {"type": "string", "maxLength": 100 + i} for i in range(4)}})},
+            "worker: invalid json_schema: the json_schema is too costly to compile"),  # was 6 s of compile
            ({"guided_json": "{not json"}, "guided_json"),                     # the router tells
            ({"response_format": {"type": "json_schema"}}, "json_schema")]
     for extra, message in bad:
         response = httpx.post(url, json={**base, **extra}, timeout=120)
         assert response.status_code == 400, response.text
         assert response.headers["content-type"].startswith("application/json")
-        assert message in response.json()["error"]["message"]
+        error = response.json()["error"]
+        assert message in error["message"]
+        if message.startswith("worker:"):
+            assert error["param"] is None      # the router cannot tell which field the worker refused
 
 
 def test_decode_worker_killed_mid_stream_keeps_outputs_valid(cluster):
