@@ -431,7 +431,7 @@ def run(args: argparse.Namespace) -> dict:
         dep.wait_ready(args.start_timeout_s)
         t0 = time.monotonic()
         ref = asyncio.run(reference(dep.http, items, args.request_timeout_s))
-        print(f"reference: {len(ref)} deterministic requests answered undisturbed in "
+        print(f"reference: {len(ref)} greedy and seeded requests answered undisturbed in "
               f"{time.monotonic() - t0:.0f} s", flush=True)
     finally:
         dep.stop()
