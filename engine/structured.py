@@ -146,12 +146,12 @@ class GrammarCache:
             if compiled is not None:
                 self._compiled.move_to_end(key)
                 return compiled
-            pending = self._in_flight.get(key)
-            owner = pending is None
-            if owner:
-                pending = self._in_flight[key] = Future()
-        if not owner:
-            return pending.result()   # the same grammar, compiled (or refused) by the first caller
+            waiting = self._in_flight.get(key)
+            if waiting is None:
+                pending: Future = Future()
+                self._in_flight[key] = pending
+        if waiting is not None:
+            return waiting.result()   # the same grammar, compiled (or refused) by the first caller
         try:
             compiled = self._compile_new(constraint.kind, key[1])
         except BaseException as exc:

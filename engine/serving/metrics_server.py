@@ -36,7 +36,7 @@ class MetricsServer:
         self._open = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="worker-metrics", daemon=True)
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.Server | None = None
 
     def start(self, host: str, port: int) -> int:
         """Bind and serve; returns the bound port (OSError if it cannot bind)."""
@@ -44,11 +44,11 @@ class MetricsServer:
         started: Future = asyncio.run_coroutine_threadsafe(
             asyncio.start_server(self._handle, host, port, limit=MAX_HEAD_BYTES), self._loop)
         try:
-            self._server = started.result()
+            server = self._server = started.result()
         except BaseException:
             self.close()
             raise
-        return self._server.sockets[0].getsockname()[1]
+        return server.sockets[0].getsockname()[1]
 
     def close(self) -> None:
         if not self._thread.is_alive():
@@ -69,7 +69,8 @@ class MetricsServer:
         self._open += 1
         if self._open > self._max_connections and self._reading:
             oldest = next(iter(self._reading))   # the longest-waiting idle connection makes room
-            self._reading.pop(oldest).close()
+            del self._reading[oldest]
+            oldest.close()
         self._reading[writer] = None
         try:
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self._head_timeout_s)

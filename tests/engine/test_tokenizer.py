@@ -160,7 +160,8 @@ def test_broken_gguf_files_give_clear_errors(tmp_path, gguf_path):
     truncated = tmp_path / "truncated.gguf"
     with open(gguf_path, "rb") as f:
         truncated.write_bytes(f.read(100_000))  # cut inside the token list
-    with pytest.raises(ValueError, match=r"truncated.gguf is not a valid GGUF file: metadata 'tokenizer.ggml.tokens': an array of 49152 "):
+    with pytest.raises(ValueError, match=r"truncated.gguf is not a valid GGUF file: "
+                                         r"metadata 'tokenizer.ggml.tokens': an array of 49152 "):
         Tokenizer.from_gguf(truncated)
 
 
