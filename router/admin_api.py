@@ -15,7 +15,7 @@ from __future__ import annotations
 import grpc
 
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
-from router.errors import clip
+from router.errors import WORKER_DETAIL_CHARS, clip
 from router.registry import WorkerRegistry
 
 SERVICE_NAME = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
@@ -34,7 +34,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if refused:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"{request.role} worker {clip(request.address)} is not registered: "
-                                f"{clip(refused, 256)}")
+                                f"{clip(refused, WORKER_DETAIL_CHARS)}")   # both fingerprints, whole
         return admin_pb2.RegisterWorkerResponse()
 
     async def DeregisterWorker(self, request: admin_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext):

@@ -96,14 +96,14 @@ def test_long_lists_are_refused_by_their_length_before_validation(cluster, case,
     assert error["param"] == param and fragment in error["message"], error
 
 
-def test_a_huge_tool_schema_is_templated_off_the_loop(cluster):
-    # The off-loop decision counted message content only: this 3 MB tool description was templated
-    # and tokenized on the loop (seconds), then refused for the context.
+def test_a_huge_tool_schema_is_refused_without_stalling_the_loop(cluster):
+    # This 3 MB tool description was templated and tokenized on the loop (seconds), then refused for
+    # the context; now the tool size bound (router/tool_choice.py) refuses it, off the loop.
     tool = {"type": "function", "function": {"name": "f", "description": "lorem ipsum dolor sit amet " * 120_000,
                                              "parameters": {"type": "object", "properties": {}}}}
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": [tool], "tool_choice": "auto"}
     response, elapsed_s, slowest_s = while_health_polled(cluster, lambda: post(cluster.http, CHAT, body))
-    assert error_of(response, 400)["param"] == "prompt"
+    assert error_of(response, 400)["param"] == "tools"
     assert slowest_s < 0.25 + elapsed_s / 4, (slowest_s, elapsed_s)
 
 
