@@ -57,8 +57,12 @@ from pathlib import Path
 import httpx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-KV_FAULT_RATE_ENV = "TANDEM_KV_FAULT_RATE"     # kvtransfer/faults.py (not imported: no torch here)
-KV_FAULT_SEED_ENV = "TANDEM_KV_FAULT_SEED"
+# Run as a script, this file's folder comes first on sys.path: put the repository root there.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(REPO_ROOT)
+
+from kvtransfer.faults import FAULT_RATE_ENV, FAULT_SEED_ENV  # noqa: E402
+
 RETRIABLE_STATUSES = (429, 502, 503)
 WORDS = ("the river carried small boats past the old mill while children counted clouds and merchants "
          "argued about the price of salt wool copper lamps maps and the weather over distant hills").split()
@@ -438,7 +442,7 @@ def run(args: argparse.Namespace) -> dict:
 
     targets = log_dir / "targets.json"
     flags += ["--prometheus-sd-file", str(targets)]
-    env = {KV_FAULT_RATE_ENV: str(args.kv_fault_rate), KV_FAULT_SEED_ENV: str(args.seed)} if args.kv_fault_rate else {}
+    env = {FAULT_RATE_ENV: str(args.kv_fault_rate), FAULT_SEED_ENV: str(args.seed)} if args.kv_fault_rate else {}
     dep = Deployment(log_dir / "chaos.log", flags, env)
     try:
         dep.wait_ready(args.start_timeout_s)
