@@ -4,7 +4,9 @@ Every message is a msgpack array ``[tag, field, ...]`` decoded only into the dat
 with a size limit on every field; anything else raises :class:`MessageError` with a short reason
 code that the receiver counts. KV bytes never travel inside msgpack: a :class:`WritePayload`
 header is followed by raw frames, ``2 * len(layers)`` of them in (layer, K, V) order, each
-``len(dst_block_ids) * block_nbytes`` long.
+``len(dst_block_ids) * block_nbytes`` long, and never longer than :func:`max_frame_nbytes` (a
+sender splits a write's blocks over several messages to keep to it; the receiver's socket drops a
+peer that sends a longer frame).
 
 Widths: block ids and layer ids are non-negative int64 on the wire; request ids are ``str``.
 """
@@ -24,6 +26,12 @@ MAX_BLOCK_IDS = 1 << 16          # one message names at most 65536 blocks (1M to
 MAX_HEARTBEAT_IDS = 4096
 MAX_TOP_LOGPROBS = 64
 INT64_MAX = (1 << 63) - 1
+MAX_FRAME_NBYTES = 4 << 20       # KV bytes in one frame; one block is always allowed
+
+
+def max_frame_nbytes(block_nbytes: int) -> int:
+    """The longest payload frame of a layout: ``MAX_FRAME_NBYTES``, or one block if larger."""
+    return max(MAX_FRAME_NBYTES, block_nbytes)
 
 
 class MessageError(ValueError):

@@ -20,7 +20,18 @@ import torch
 from .blockcopy import runs
 from .descriptor import ONE_SIDED, RegionDescriptor
 from .layout import KVLayout, flat_bytes
-from .messages import Cancel, CancelAck, Heartbeat, Message, MessageError, Notify, WriteDone, WritePayload, decode
+from .messages import (
+    Cancel,
+    CancelAck,
+    Heartbeat,
+    Message,
+    MessageError,
+    Notify,
+    WriteDone,
+    WritePayload,
+    decode,
+    max_frame_nbytes,
+)
 from .tracker import RequestTable, TransferResult, TransferStatus
 
 logger = logging.getLogger(__name__)
@@ -74,6 +85,8 @@ class ReceiverCore:
                 raise MessageError("frame_count", f"{len(frames) - 1} payload frames for "
                                    f"{len(msg.layers)} layers")
             nbytes = len(msg.dst_block_ids) * self.layout.block_nbytes
+            if nbytes > max_frame_nbytes(self.layout.block_nbytes):
+                raise MessageError("frame_size", f"{len(msg.dst_block_ids)} blocks in one frame")
             if any(len(f) != nbytes for f in frames[1:]):
                 raise MessageError("frame_size", f"expected {nbytes} bytes per frame")
         elif len(frames) != 1:

@@ -22,13 +22,13 @@ from typing import Sequence
 import zmq
 import zmq.utils.z85
 
-from .messages import Message, encode
+from .messages import MAX_HEADER_BYTES, Message, encode, max_frame_nbytes
 from .receiver import ReceiverCore
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50            # lease-expiry granularity; the loop sleeps in poll, never spins
-RCVHWM = 16            # messages (each <= ~4 MiB, see tcp.MESSAGE_NBYTES) queued per sender
+RCVHWM = 16            # messages (each ~4 MiB from a Tandem sender, see tcp.MESSAGE_NBYTES) per sender
 MAX_BATCH = 64          # messages handled per wake-up before checking for stop/outbox
 
 
@@ -69,8 +69,9 @@ class ZmqServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
-        # Largest legal frame: one (layer, K|V) of every block; zmq drops peers that exceed it.
-        self._sock.setsockopt(zmq.MAXMSGSIZE, core.num_blocks * core.layout.block_nbytes + 4096)
+        # Largest legal frame (a payload frame, or a header); zmq drops a peer that exceeds it.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame_nbytes(core.layout.block_nbytes),
+                                                  MAX_HEADER_BYTES))
         if curve is not None:
             if allowed_clients is not None:
                 self._auth = _start_auth(self._ctx, allowed_clients)

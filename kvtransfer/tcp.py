@@ -1,7 +1,8 @@
 """tcp backend: KV blocks as raw ZeroMQ frames to a receiver on any host (sender process).
 
 A write goes out as messages of a few layers each (about ``MESSAGE_NBYTES``): a msgpack
-``WritePayload`` header, then one frame per (layer, K|V) holding the blocks in dst order. Frames
+``WritePayload`` header, then one frame per (layer, K|V) holding the blocks in dst order (at most
+``max_frame_nbytes``: a long prompt's blocks go out over several messages). Frames
 are sent zero-copy (``copy=False``): straight from the pool when the source blocks are one
 consecutive run, otherwise from a staging buffer that is reused only after ZeroMQ reports it has
 finished with it. The receiver validates the header and every frame size before scattering the
@@ -16,7 +17,7 @@ import zmq
 
 from .blockcopy import runs
 from .layout import flat_bytes
-from .messages import WritePayload, encode
+from .messages import WritePayload, encode, max_frame_nbytes
 from .sender import Sender, SendFn
 
 STAGING_SLOTS = 4
@@ -70,17 +71,21 @@ class TcpWriter:
     def write(self, send: SendFn, ctx: object, request_id: str, layers: tuple[int, ...],
               src_block_ids: tuple[int, ...], dst_block_ids: tuple[int, ...]) -> None:
         # Several messages per write: the receiver scatters one while the next is on the wire.
-        contiguous = self._src_np is not None and len(runs(src_block_ids)) <= 1
-        layer_nbytes = 2 * len(src_block_ids) * self._layout.block_nbytes
-        per_message = max(1, MESSAGE_NBYTES // max(1, layer_nbytes))
-        for i in range(0, len(layers), per_message):
-            group = layers[i:i + per_message]
-            header = encode(WritePayload(request_id, group, dst_block_ids))
-            if contiguous:
-                send([header, *(v for layer in group for v in self._views(layer, src_block_ids))],
-                     copy=False)
-            else:
-                self._send_staged(send, ctx, header, group, src_block_ids)
+        # A frame holds at most max_frame_nbytes (long prompts: the blocks are split over
+        # messages); a message holds as many layers as fit in about MESSAGE_NBYTES.
+        bn = self._layout.block_nbytes
+        per_frame = max(1, max_frame_nbytes(bn) // bn)
+        for b in range(0, len(src_block_ids), per_frame):
+            src, dst = src_block_ids[b:b + per_frame], dst_block_ids[b:b + per_frame]
+            contiguous = self._src_np is not None and len(runs(src)) <= 1
+            per_message = max(1, MESSAGE_NBYTES // (2 * len(src) * bn))
+            for i in range(0, len(layers), per_message):
+                group = layers[i:i + per_message]
+                header = encode(WritePayload(request_id, group, dst))
+                if contiguous:
+                    send([header, *(v for layer in group for v in self._views(layer, src))], copy=False)
+                else:
+                    self._send_staged(send, ctx, header, group, src)
 
     def _views(self, layer: int, src_block_ids: tuple[int, ...]) -> list:
         lo = self._layout
