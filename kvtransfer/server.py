@@ -70,8 +70,9 @@ class ZmqServer:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, RCVHWM)
         # Largest legal frame (a payload frame, or a header); zmq drops a peer that exceeds it.
+        # zmq measures the frame as it is on the wire: 4 KiB leave room for CurveZMQ's box.
         self._sock.setsockopt(zmq.MAXMSGSIZE, max(max_frame_nbytes(core.layout.block_nbytes),
-                                                  MAX_HEADER_BYTES))
+                                                  MAX_HEADER_BYTES) + 4096)
         if curve is not None:
             if allowed_clients is not None:
                 self._auth = _start_auth(self._ctx, allowed_clients)

@@ -14,11 +14,11 @@ import pytest
 import torch
 import zmq
 
-from kvtransfer import KVLayout, NotifyPayload, TransferStatus, messages
+from kvtransfer import KVLayout, NotifyPayload, TransferStatus, create_receiver, create_sender, messages
 from kvtransfer.messages import WritePayload, encode
 from kvtransfer.receiver import ReceiverCore
 
-from .conftest import make_pair
+from .conftest import make_pair, random_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,3 +103,27 @@ def test_a_peer_sending_a_frame_over_the_bound_is_dropped_and_others_still_serve
         rogue.close(linger=0)
         ctx.term()
         pair.close()
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq built without CURVE")
+@pytest.mark.parametrize("secret", [None, "frame-bound-test-secret"], ids=["plain", "curve"])
+def test_frames_of_exactly_the_real_bound_land_with_and_without_curve(secret):
+    # The real bound (4 MiB), not a shrunk one: 16 blocks of 256 KiB fill one frame exactly, and
+    # zmq sees it with CurveZMQ's box around it, which must still fit.
+    layout = KVLayout("float32", block_size=64, num_layers=1, num_kv_heads=8, head_dim=128)
+    assert messages.max_frame_nbytes(layout.block_nbytes) == 16 * layout.block_nbytes
+    dst = torch.zeros(layout.pool_shape(40), dtype=torch.float32)
+    receiver = create_receiver(dst, layout, "tcp", secret=secret)
+    src = random_pool(layout, 40, seed=7)
+    sender = create_sender(receiver.descriptor.to_bytes(), src, layout, "tcp", secret=secret)
+    try:
+        src_ids, dst_ids = list(range(3, 37)), list(range(4, 38))   # 34 blocks: 16 + 16 + 2
+        receiver.expect("r", dst_ids)
+        sender.write("r", [0], src_ids, dst_ids).result(timeout=20)
+        sender.notify("r", NotifyPayload(first_token_id=1)).result(timeout=20)
+        assert receiver.wait("r", timeout_s=20).status is TransferStatus.DONE
+        assert torch.equal(dst.view(torch.uint8)[:, :, dst_ids], src.view(torch.uint8)[:, :, src_ids])
+        assert receiver.stats().get("rejected", 0) == 0
+    finally:
+        sender.close()
+        receiver.close()
