@@ -168,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     batches, threads, contexts = _ints(args.batches), _ints(args.threads), _ints(args.contexts)
     bandwidth = copy_bandwidth_gbps(1 << 31 if args.device == "cuda" else 1 << 29, device=args.device)
     print(f"copy bandwidth (read+write): {bandwidth:.1f} GB/s")
-    results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}}
+    # model .. chunked_prefill_size and each prefill row's kv_bytes_per_token: what a simulated
+    # engine's profile needs besides the timings (engine/sim/latency.py).
+    results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}, "model": args.model,
+                     "device": args.device, "prefill_len": args.prefill_len, "prefill_batch": args.prefill_batch,
+                     "chunked_prefill_size": args.chunked_prefill_size}
     for dtype in args.dtypes.split(","):
         torch.set_num_threads(max(threads))
         prefill_steps = -(-max(batches) * max(contexts) // args.chunked_prefill_size) + 1
@@ -191,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.set_num_threads(n)
             tps = bench_prefill(engine, args.prefill_batch, args.prefill_len, rng)
             print(f"  prefill {args.prefill_batch} x {args.prefill_len} threads {n}: {tps:7.1f} tok/s", flush=True)
-            results["prefill"].append({"dtype": dtype, "threads": n, "tok_per_s": tps})
+            results["prefill"].append({"dtype": dtype, "threads": n, "tok_per_s": tps,
+                                       "kv_bytes_per_token": engine_kv_bytes_per_token(args.model, dtype)})
         for context in contexts:
             rows, table = bench_decode(engine, batches, threads, context, args.decode_steps, rng,
                                        args.profile and context == min(contexts))

@@ -22,6 +22,7 @@ def flag(default: Any, help: str, **metadata: Any) -> Any:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "lpm")
+ENGINES = ("torch", "sim")   # sim: engine/sim/, a simulated forward pass
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -81,8 +82,14 @@ class ModelConfig:
     gguf_kernels: str = flag("auto", "GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights on CPU: auto (decode steps read the "
                              "quantized blocks up to the batch size where that measured faster at load; needs "
                              "AVX-512 and TP 1) or off (dense weights only)", choices=("auto", "off"))
+    engine: str = flag("torch", "torch (run the model) or sim (simulated forward pass: each step sleeps the time "
+                       "--sim-profile's latency model predicts and emits deterministic tokens; everything else is "
+                       "real; README 'Simulated engine')", choices=ENGINES)
+    sim_profile: str | None = flag(None, "--engine sim: a benchmarks/engine.py --json output file, or a shipped "
+                                   "profile's name (engine/sim/profiles/); also given as --model sim:PROFILE")
 
     def __post_init__(self) -> None:
+        self._resolve_sim()
         if not self.model:
             raise ValueError("model must name a model: a built-in name, an HF directory, a .gguf file "
                              "or a Hugging Face id (org/name)")
@@ -98,6 +105,34 @@ class ModelConfig:
             raise ValueError(f"gguf_kernels={self.gguf_kernels!r}: use auto or off")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: use auto, cpu, torch or triton")
+
+    def _resolve_sim(self) -> None:
+        """One spelling of a simulated model everywhere: ``model`` = ``sim:PROFILE`` with
+        ``engine`` = sim and ``sim_profile`` = PROFILE (an existing file as an absolute path)."""
+        from engine.sim.arch import SIM_PREFIX, canonical_profile, sim_profile_of
+
+        named = sim_profile_of(self.model)
+        if named is not None:
+            if self.sim_profile is not None and canonical_profile(self.sim_profile) != canonical_profile(named):
+                raise ValueError(f"--model {self.model} and --sim-profile {self.sim_profile} name two profiles; "
+                                 "give one")
+            object.__setattr__(self, "engine", "sim")
+            object.__setattr__(self, "sim_profile", named)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine={self.engine!r}: use one of {ENGINES}")
+        if self.engine != "sim":
+            if self.sim_profile is not None:
+                raise ValueError("--sim-profile is for --engine sim")
+            return
+        if not self.sim_profile:
+            raise ValueError("--engine sim needs --sim-profile FILE (benchmarks/engine.py --json output, or a "
+                             "shipped profile's name)")
+        if named is None and self.model != DEFAULT_MODEL:
+            raise ValueError(f"--engine sim serves the tokenizer its profile names (its 'tokenizer' field), not "
+                             f"--model {self.model}: leave --model out")
+        profile = canonical_profile(self.sim_profile)
+        object.__setattr__(self, "sim_profile", profile)
+        object.__setattr__(self, "model", SIM_PREFIX + profile)
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30   # the KV pool of a CPU worker without --kv-cache-memory

