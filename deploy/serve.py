@@ -31,6 +31,7 @@ from engine.cli_args import add_config_args, config_from_args, config_to_args
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.hf_hub import is_hub_id
 from engine.serving.config import WorkerConfig
+from engine.sim.arch import sim_profile_of
 from protos.auth import load_secret, new_secret
 from protos.limits import ROLES
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig, add_public_api_args, public_api_flags
@@ -353,6 +354,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     tp = _tp_sizes(args)
+    # --engine sim --sim-profile F and --model sim:F are one model, sim:F (engine/sim/arch.py), for
+    # the workers, the router's tokenizer and model check alike.
+    args.model = config_from_args(ModelConfig, args).model
     if args.prefill < 1 or args.decode < 1:
         raise ServeError(f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}")
     arch, model_path = check_model(args, tp)
@@ -386,12 +390,13 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
     else:
         raise ServeError("a Tandem deployment is already running on this Ray cluster: see `tandem status`, "
                          "stop it with `tandem down`")
-    use_gpu = args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
+    simulated = sim_profile_of(args.model) is not None   # no weights, no GPU, a pool of a few MB
+    use_gpu = not simulated and args.device != "cpu" and ray.cluster_resources().get("GPU", 0) > 0
     alive_nodes = [n for n in ray.nodes() if n["Alive"]]
     node_sets = {"router": args.router_node, "prefill": args.prefill_nodes, "decode": args.decode_nodes}
     check_node_sets(node_sets, alive_nodes, args.host)
     local_prefill = local_prefill_max_tokens(args.local_prefill_max_tokens, use_gpu, len(alive_nodes))
-    if not use_gpu and len(alive_nodes) == 1:
+    if not use_gpu and len(alive_nodes) == 1 and not simulated:
         check_cpu_memory(arch, args, tp, args.prefill * tp["prefill"] + args.decode * tp["decode"], model_path)
     router_flags = ["--host", args.host, "--http-port", str(args.http_port), "--grpc-port", str(args.grpc_port),
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
