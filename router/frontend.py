@@ -191,10 +191,12 @@ class Frontend:
         start leaves in this turn of the loop); raises RouterError. Pass the result to
         ``stream``, or to ``abandon`` if the stream never runs."""
         try:
-            return self.dispatcher.open(request.request_id, request.prompt_token_ids, request.params)
+            dispatch = self.dispatcher.open(request.request_id, request.prompt_token_ids, request.params)
         except errors.RouterError as exc:
             self.metrics.errors.labels(str(exc.http_status)).inc()
             raise
+        self.metrics.prompt_tokens_arrived.inc(len(request.prompt_token_ids))
+        return dispatch
 
     def abandon(self, dispatch: Dispatch) -> None:
         self.dispatcher.abandon(dispatch)

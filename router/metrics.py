@@ -33,6 +33,9 @@ class RouterMetrics:
         self.failovers = Counter("tandem_request_failovers", "Requests re-dispatched to a new worker pair",
                                  registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        # Counted when a request is dispatched, so a planner sees the load arrive, not only what finished.
+        self.prompt_tokens_arrived = Counter("tandem_prompt_tokens_arrived", "Prompt tokens of dispatched requests",
+                                             registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens streamed", registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS_S)

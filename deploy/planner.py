@@ -1,0 +1,287 @@
+"""The SLO planner's decision: how many prefill and decode replicas the load needs (controller process).
+
+Pure: ``Planner.decide(observation, now_s)`` takes one interval's ``Observation`` (what the
+router's and workers' /metrics said, deploy/planner_loop.py scrapes them) and returns a
+``Decision`` (target replicas per role, a reason per role); no I/O, so tests drive it with made-up
+observations. The loop applies a decision through the controller's ``scale``.
+
+The idea is DistServe's and NVIDIA Dynamo's planner: a worker's *capacity within the SLO* times
+the *predicted load* gives the replicas needed, not a threshold on one latency.
+
+- **prefill**: capacity = prompt tokens/s one prefill worker computes (the sim profile's, else
+  learned: the tokens/s per worker measured in an interval where prompts queued, so the workers
+  ran flat out). Load = a moving average of the prompt tokens/s arriving at the router. Needed =
+  ceil(load / (capacity x ``target_utilization``)): a worker kept below full use keeps its queue,
+  and so the TTFT, short.
+- **decode**: capacity = streams one decode worker runs with its ITL within the SLO (the profile's
+  step-time model solved for the batch, else learned: running streams per worker x SLO / observed
+  ITL, from intervals whose ITL said something). Load = a moving average of the streams decoding.
+- **correction**: when the observed TTFT (ITL) p90 breaks its SLO although the model says the
+  replicas suffice, the model is wrong: one replica more (Dynamo's correction factor, as a step) --
+  unless a replica asked for is still starting, or the prefill workers compute more tokens/s than
+  arrive (a backlog from before the last scale-up going down). A decode pool nearly full of KV
+  also asks for one more.
+
+Hysteresis, so a noisy signal does not flap: a role grows only after ``up_after`` intervals in a
+row asked for more, and shrinks (one replica at a time) only after ``down_after`` intervals in a
+row in which one replica fewer would still carry the load at ``down_utilization`` (below the
+target: headroom) and the SLO was met with margin. After any change a role is left alone for
+``cooldown_s``. Targets are clamped to [1, max] per role and ``max_workers`` in all; when the two
+roles' needs exceed ``max_workers``, the role furthest over its SLO gets the room.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.sim.latency import LatencyModel
+from protos.limits import ROLES
+
+# The context a decode stream is assumed to hold when a profile's step-time model is solved for the
+# batch that meets the ITL SLO (a prompt of ~1k tokens and its output); what ITL is then observed
+# corrects it (Planner._learn).
+PROFILE_DECODE_CONTEXT_TOKENS = 1024
+
+
+class Reason(enum.IntEnum):
+    """Why a role's target is what it is (exported as ``tandem_planner_reason``)."""
+
+    HOLD = 0                # the replicas carry the load; nothing to do
+    TTFT_SLO = 1            # prefill: TTFT p90 over its SLO although the model said enough
+    PREFILL_LOAD = 2        # prefill: predicted prompt tokens/s need more workers
+    ITL_SLO = 3             # decode: ITL p90 over its SLO although the model said enough
+    DECODE_LOAD = 4         # decode: predicted streams need more workers
+    KV_FULL = 5             # decode: the decode workers' KV pools are nearly full
+    LOAD_FELL = 6           # one replica fewer carries the load with headroom: given back
+    PENDING = 7             # a change is asked for, not yet for enough intervals in a row
+    COOLDOWN = 8            # a change is asked for, but the role changed less than cooldown_s ago
+    AT_MAX = 9              # more is needed than --max-workers allows
+    NO_DATA = 10            # no capacity known yet and no SLO broken: nothing to go on
+    STARTING = 11           # the SLO is broken but replicas asked for are still starting: wait for them
+    DRAINING = 12           # TTFT broken by a backlog the prefill workers are already working off
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    ttft_slo_s: float
+    itl_slo_s: float
+    max_workers: int = 8
+    interval_s: float = 5.0
+    target_utilization: float = 0.8     # a role is sized to run at this fraction of its capacity
+    down_utilization: float = 0.6       # one fewer replica must carry the load at this fraction
+    slo_margin: float = 0.8             # a shrink needs the observed p90 below this fraction of the SLO
+    up_after: int = 2                   # intervals in a row that ask for more before it is applied
+    down_after: int = 6                 # intervals in a row that allow fewer before one is given back
+    cooldown_s: float = 15.0
+    load_smoothing: float = 0.5         # weight of the newest interval in the load moving averages
+    kv_full: float = 0.9                # decode KV usage that asks for another decode replica
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        if not (self.ttft_slo_s > 0 and self.itl_slo_s > 0):
+            raise ValueError(f"--ttft-slo-ms and --itl-slo-ms must be > 0 (got {self.ttft_slo_s * 1e3:g} and "
+                             f"{self.itl_slo_s * 1e3:g})")
+        if self.max_workers < 2:
+            raise ValueError(f"--max-workers must be >= 2 (one prefill and one decode), got {self.max_workers}")
+        if not self.interval_s > 0:
+            raise ValueError(f"--planner-interval-s must be > 0, got {self.interval_s}")
+        if not 0 < self.down_utilization < self.target_utilization <= 1:
+            raise ValueError("need 0 < down_utilization < target_utilization <= 1, got "
+                             f"{self.down_utilization} and {self.target_utilization}")
+        if self.up_after < 1 or self.down_after < 1:
+            raise ValueError(f"up_after and down_after must be >= 1, got {self.up_after} and {self.down_after}")
+        if not 0 < self.load_smoothing <= 1:
+            raise ValueError(f"load_smoothing must be in (0, 1], got {self.load_smoothing}")
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One interval of the deployment, from the router's and workers' /metrics."""
+
+    replicas: dict[str, int]                 # asked for now (the controller's desired), per role
+    serving: dict[str, int] | None = None    # of those, serving now; None: all of them
+    prompt_tokens_per_s: float = 0.0         # prompt tokens arriving at the router
+    prefill_tokens_per_s: float = 0.0        # prompt tokens the prefill workers computed
+    prefill_waiting: int = 0                 # requests queued at the prefill workers, at the end
+    decode_streams: float = 0.0              # streams running (or reserved) on decode workers, at the end
+    decode_kv_usage: float = 0.0             # the fullest decode worker's KV usage ratio
+    ttft_p90_s: float | None = None          # router, over the interval; None: no request got a first token
+    itl_p90_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What one worker carries within the SLOs; None: not known (yet)."""
+
+    prefill_tokens_per_s: float | None = None
+    decode_streams: float | None = None
+
+
+def profile_capacity(profile: dict[str, Any], itl_slo_s: float,
+                     context_tokens: int = PROFILE_DECODE_CONTEXT_TOKENS) -> Capacity:
+    """A worker's capacity from a simulated engine's profile (engine/sim/latency.py): prompt tokens/s
+    in full prefill chunks, and the largest batch whose decode step fits the ITL SLO."""
+    model = LatencyModel.fit(profile)
+    chunk = int(profile.get("chunked_prefill_size") or 512)
+    prefill = 1e3 * chunk / (model.base_ms + model.per_prefill_token_ms * chunk)
+    per_stream_ms = model.per_seq_ms + model.per_context_token_ms * context_tokens
+    room_ms = itl_slo_s * 1e3 - model.base_ms
+    decode = room_ms / per_stream_ms if per_stream_ms > 0 else math.inf
+    return Capacity(prefill, max(decode, 1.0))
+
+
+@dataclass(frozen=True)
+class Decision:
+    targets: dict[str, int]
+    reasons: dict[str, Reason]
+    changed: bool
+    note: str                                # one line: the numbers the decision came from
+
+
+@dataclass
+class _RoleState:
+    up_streak: int = 0
+    down_streak: int = 0
+    changed_at_s: float = -math.inf
+
+
+def _ratio(observed: float | None, slo: float) -> float:
+    return 0.0 if observed is None else observed / slo
+
+
+@dataclass
+class Planner:
+    config: PlannerConfig
+    capacity: Capacity = field(default_factory=Capacity)
+    prompt_load: float | None = None        # moving average, prompt tokens/s
+    stream_load: float | None = None        # moving average, decode streams
+    _roles: dict[str, _RoleState] = field(default_factory=lambda: {role: _RoleState() for role in ROLES})
+
+    def decide(self, obs: Observation, now_s: float) -> Decision:
+        self._learn(obs)
+        need, reasons = self._needed(obs)
+        cap = self.config.max_workers - 1          # the other role keeps at least one
+        need = {role: min(max(1, n), cap) for role, n in need.items()}
+        targets: dict[str, int] = {}
+        for role in ROLES:
+            targets[role], reasons[role] = self._hysteresis(role, obs, need[role], reasons[role], now_s)
+        # The cap again: a role may only grow into room the other one leaves.
+        over = sum(targets.values()) - self.config.max_workers
+        if over > 0:
+            for role in sorted(ROLES, key=lambda r: targets[r] - obs.replicas[r], reverse=True):
+                cut = min(over, max(0, targets[role] - obs.replicas[role]))
+                if cut:
+                    targets[role] -= cut
+                    reasons[role] = Reason.AT_MAX
+                    over -= cut
+        changed = targets != obs.replicas
+        for role in ROLES:
+            if targets[role] != obs.replicas[role]:
+                self._roles[role] = _RoleState(changed_at_s=now_s)
+        return Decision(targets, reasons, changed, self._note(obs))
+
+    # -- the model ---------------------------------------------------------------------------
+
+    def _learn(self, obs: Observation) -> None:
+        a = self.config.load_smoothing
+        self.prompt_load = obs.prompt_tokens_per_s if self.prompt_load is None else (
+            a * obs.prompt_tokens_per_s + (1 - a) * self.prompt_load)
+        self.stream_load = obs.decode_streams if self.stream_load is None else (
+            a * obs.decode_streams + (1 - a) * self.stream_load)
+        prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams
+        serving = obs.serving or obs.replicas
+        per_worker = obs.prefill_tokens_per_s / max(1, serving["prefill"])
+        if obs.prefill_waiting > 0 and _ratio(obs.ttft_p90_s, self.config.ttft_slo_s) > 1 and per_worker > 0:
+            # Prompts queued long enough to break the SLO: the workers ran flat out, so this is
+            # what one carries.
+            prefill = per_worker if prefill is None else 0.5 * (prefill + per_worker)
+        elif prefill is not None and per_worker > prefill:
+            prefill = per_worker
+        streams_per_worker = obs.decode_streams / max(1, serving["decode"])
+        if obs.itl_p90_s is not None and streams_per_worker >= 1 and obs.itl_p90_s >= 0.5 * self.config.itl_slo_s:
+            # ITL grows with the batch: scaled to the SLO, the streams a worker holds within it.
+            estimate = streams_per_worker * self.config.itl_slo_s / obs.itl_p90_s
+            decode = estimate if decode is None else 0.5 * (decode + estimate)
+        self.capacity = Capacity(prefill, decode)
+
+    def _needed(self, obs: Observation) -> tuple[dict[str, int], dict[str, Reason]]:
+        c = self.config
+        need, reasons = dict(obs.replicas), {role: Reason.HOLD for role in ROLES}
+        for role, load, capacity, up_reason, slo_reason, observed, slo in (
+                ("prefill", self.prompt_load, self.capacity.prefill_tokens_per_s, Reason.PREFILL_LOAD,
+                 Reason.TTFT_SLO, obs.ttft_p90_s, c.ttft_slo_s),
+                ("decode", self.stream_load, self.capacity.decode_streams, Reason.DECODE_LOAD,
+                 Reason.ITL_SLO, obs.itl_p90_s, c.itl_slo_s)):
+            current = obs.replicas[role]
+            if capacity:
+                need[role] = max(1, math.ceil((load or 0.0) / (capacity * c.target_utilization)))
+                if need[role] > current:
+                    reasons[role] = up_reason
+            elif _ratio(observed, slo) <= 1:
+                reasons[role] = Reason.NO_DATA
+            starting = obs.serving is not None and obs.serving[role] < current
+            if role == "decode" and obs.decode_kv_usage >= c.kv_full and need[role] <= current:
+                slo_reason, observed = Reason.KV_FULL, math.inf
+            # A backlog (from before a scale-up) shrinking by more than a tenth of the load a second.
+            draining = role == "prefill" and obs.prefill_tokens_per_s > 1.1 * obs.prompt_tokens_per_s
+            if _ratio(observed, slo) > 1 and need[role] <= current:
+                # What is starting may be all that was missing: one more only once it serves, and
+                # only while the queue does not go down.
+                if starting:
+                    reasons[role] = Reason.STARTING
+                elif draining:
+                    reasons[role] = Reason.DRAINING
+                else:
+                    need[role], reasons[role] = current + 1, slo_reason
+        return need, reasons
+
+    def _can_shrink(self, role: str, current: int, obs: Observation) -> bool:
+        """Whether ``current - 1`` replicas would carry the predicted load with headroom, and the
+        SLO is met with margin now."""
+        c = self.config
+        if current <= 1 or (obs.serving is not None and obs.serving[role] < current):
+            return False
+        if role == "prefill":
+            capacity, load, observed, slo = self.capacity.prefill_tokens_per_s, self.prompt_load, obs.ttft_p90_s, \
+                c.ttft_slo_s
+            busy = obs.prefill_waiting > current
+        else:
+            capacity, load, observed, slo = self.capacity.decode_streams, self.stream_load, obs.itl_p90_s, c.itl_slo_s
+            busy = obs.decode_kv_usage >= c.kv_full * c.down_utilization / c.target_utilization
+        if not capacity or busy or _ratio(observed, slo) > c.slo_margin:
+            return False
+        return (load or 0.0) <= (current - 1) * capacity * c.down_utilization
+
+    def _hysteresis(self, role: str, obs: Observation, need: int, reason: Reason, now_s: float
+                    ) -> tuple[int, Reason]:
+        c = self.config
+        state, current = self._roles[role], obs.replicas[role]
+        if need > current:
+            state.up_streak, state.down_streak = state.up_streak + 1, 0
+            if state.up_streak < c.up_after:
+                return current, Reason.PENDING
+        elif self._can_shrink(role, current, obs):
+            state.up_streak, state.down_streak = 0, state.down_streak + 1
+            if state.down_streak < c.down_after:
+                return current, Reason.PENDING
+            need, reason = current - 1, Reason.LOAD_FELL
+        else:
+            state.up_streak = state.down_streak = 0
+            return current, reason if reason in (Reason.NO_DATA, Reason.STARTING, Reason.DRAINING) else Reason.HOLD
+        if now_s - state.changed_at_s < c.cooldown_s:
+            return current, Reason.COOLDOWN
+        return need, reason
+
+    def _note(self, obs: Observation) -> str:
+        def num(x: float | None, scale: float = 1.0, fmt: str = ".0f") -> str:
+            return "-" if x is None else format(x * scale, fmt)
+
+        return (f"replicas P{obs.replicas['prefill']} D{obs.replicas['decode']}; "
+                f"TTFT p90 {num(obs.ttft_p90_s, 1e3)} ms "
+                f"(SLO {self.config.ttft_slo_s * 1e3:.0f}), ITL p90 {num(obs.itl_p90_s, 1e3)} ms "
+                f"(SLO {self.config.itl_slo_s * 1e3:.0f}); prompt load {num(self.prompt_load)} tok/s, prefill "
+                f"capacity {num(self.capacity.prefill_tokens_per_s)} tok/s/worker, {obs.prefill_waiting} waiting; "
+                f"decode load {num(self.stream_load, fmt='.1f')} streams, capacity "
+                f"{num(self.capacity.decode_streams, fmt='.1f')} streams/worker, KV {obs.decode_kv_usage:.0%}")

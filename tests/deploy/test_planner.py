@@ -1,0 +1,174 @@
+"""The SLO planner's decision logic (deploy/planner.py): made-up observations in, targets out."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deploy.planner import Capacity, Observation, Planner, PlannerConfig, Reason, profile_capacity
+from tests.engine.sim.profiles import write_fast_profile
+
+CONFIG = PlannerConfig(ttft_slo_s=0.5, itl_slo_s=0.05, max_workers=6, interval_s=1.0, up_after=2, down_after=4,
+                       cooldown_s=3.0)
+KNOWN = Capacity(prefill_tokens_per_s=1000.0, decode_streams=10.0)
+
+
+def obs(p: int, d: int, **kw) -> Observation:
+    return Observation(replicas={"prefill": p, "decode": d}, **kw)
+
+
+def run(planner: Planner, observations: list[Observation], start_s: float = 0.0) -> list:
+    """Decide on each observation one interval apart; the replicas follow the targets (the next
+    observation's replicas are overridden with the last targets)."""
+    decisions, replicas = [], dict(observations[0].replicas)
+    for i, o in enumerate(observations):
+        o = Observation(**{**o.__dict__, "replicas": dict(replicas)})
+        d = planner.decide(o, start_s + i)
+        replicas = dict(d.targets)
+        decisions.append(d)
+    return decisions
+
+
+def test_adds_prefill_when_ttft_breaks_under_rising_prompt_load():
+    planner = Planner(CONFIG, KNOWN)
+    calm = obs(1, 1, prompt_tokens_per_s=400, prefill_tokens_per_s=400, ttft_p90_s=0.1, itl_p90_s=0.01)
+    hot = obs(1, 1, prompt_tokens_per_s=1500, prefill_tokens_per_s=1000, prefill_waiting=6, ttft_p90_s=1.2,
+              itl_p90_s=0.01)
+    ds = run(planner, [calm, calm, hot, hot, hot])
+    assert [d.targets["prefill"] for d in ds] == [1, 1, 1, 2, 2]
+    assert [d.reasons["prefill"] for d in ds[:4]] == [Reason.HOLD, Reason.HOLD, Reason.PENDING, Reason.PREFILL_LOAD]
+    assert ds[3].changed and all(d.targets["decode"] == 1 for d in ds)
+    assert ds[4].reasons["prefill"] in (Reason.PENDING, Reason.COOLDOWN)
+
+
+def test_learns_prefill_capacity_from_a_saturated_interval():
+    planner = Planner(CONFIG)            # nothing known: no profile
+    hot = obs(1, 1, prompt_tokens_per_s=2500, prefill_tokens_per_s=1000, prefill_waiting=10, ttft_p90_s=2.0)
+    ds = run(planner, [hot, hot])
+    assert planner.capacity.prefill_tokens_per_s == 1000.0
+    # EMA of 2500 tok/s over 1000 x 0.8 per worker: 4 workers.
+    assert ds[1].targets["prefill"] == 4 and ds[1].reasons["prefill"] == Reason.PREFILL_LOAD
+
+
+def test_ttft_over_slo_adds_one_when_the_model_says_enough():
+    planner = Planner(CONFIG, KNOWN)
+    o = obs(2, 1, prompt_tokens_per_s=600, prefill_tokens_per_s=600, ttft_p90_s=0.9)
+    ds = run(planner, [o, o])
+    assert ds[1].targets["prefill"] == 3 and ds[1].reasons["prefill"] == Reason.TTFT_SLO
+
+
+def test_waits_for_a_starting_replica_before_adding_another():
+    planner = Planner(CONFIG, KNOWN)
+    # Two asked for, one serving yet; the TTFT still broken (the backlog of the one), the load fits two.
+    o = Observation(replicas={"prefill": 2, "decode": 1}, serving={"prefill": 1, "decode": 1},
+                    prompt_tokens_per_s=1200, prefill_tokens_per_s=1000, prefill_waiting=5, ttft_p90_s=2.0)
+    ds = [planner.decide(o, float(i)) for i in range(6)]
+    assert all(d.targets["prefill"] == 2 and d.reasons["prefill"] == Reason.STARTING for d in ds)
+    # It serves; the TTFT is still broken by the backlog, which two workers work off (2000 tok/s
+    # computed, 1200 arriving): nothing more.
+    o = Observation(**{**o.__dict__, "serving": {"prefill": 2, "decode": 1}, "prefill_tokens_per_s": 2000})
+    ds = [planner.decide(o, float(i)) for i in range(6, 10)]
+    assert all(d.targets["prefill"] == 2 and d.reasons["prefill"] == Reason.DRAINING for d in ds)
+    # The queue no longer goes down (as many tokens arrive as are computed) and the TTFT stays broken:
+    # one more (the load's moving average, 1800 tok/s, now needs it too).
+    o = Observation(**{**o.__dict__, "prompt_tokens_per_s": 2000})
+    ds = [planner.decide(o, float(i)) for i in range(10, 12)]
+    assert ds[0].reasons["prefill"] == Reason.PENDING
+    assert ds[1].targets["prefill"] == 3 and ds[1].reasons["prefill"] == Reason.PREFILL_LOAD
+
+
+def test_adds_decode_when_itl_breaks():
+    planner = Planner(CONFIG, KNOWN)
+    o = obs(1, 1, decode_streams=15, itl_p90_s=0.08, ttft_p90_s=0.1, prompt_tokens_per_s=100)
+    ds = run(planner, [o, o])
+    assert ds[1].targets == {"prefill": 1, "decode": 2}
+    assert ds[1].reasons["decode"] == Reason.DECODE_LOAD
+    # Learned: 15 streams at 80 ms for a 50 ms SLO is 9.375 a worker, averaged into 10, twice.
+    assert planner.capacity.decode_streams == pytest.approx(0.5 * (0.5 * (10 + 9.375) + 9.375))
+    # Few streams at 4x the SLO: one worker holds fewer than it was thought to, and it learns that.
+    planner = Planner(CONFIG, KNOWN)
+    o = obs(1, 1, decode_streams=3, itl_p90_s=0.2)
+    assert run(planner, [o, o])[1].targets["decode"] == 2
+    assert planner.capacity.decode_streams == pytest.approx(0.5 * (0.5 * (10 + 0.75) + 0.75))
+    # ITL over its SLO with nothing to learn from (the streams ended by the scrape): the model says
+    # one suffices, the observation says no.
+    planner = Planner(CONFIG, KNOWN)
+    o = obs(1, 1, decode_streams=0, itl_p90_s=0.2)
+    ds = run(planner, [o, o])
+    assert ds[1].targets["decode"] == 2 and ds[1].reasons["decode"] == Reason.ITL_SLO
+
+
+def test_kv_nearly_full_adds_decode():
+    planner = Planner(CONFIG, KNOWN)
+    o = obs(1, 1, decode_streams=2, itl_p90_s=0.01, decode_kv_usage=0.95)
+    ds = run(planner, [o, o])
+    assert ds[1].targets["decode"] == 2 and ds[1].reasons["decode"] == Reason.KV_FULL
+
+
+def test_gives_replicas_back_one_at_a_time_when_load_falls():
+    planner = Planner(CONFIG, KNOWN)
+    low = obs(3, 1, prompt_tokens_per_s=300, prefill_tokens_per_s=300, ttft_p90_s=0.1, itl_p90_s=0.01)
+    ds = run(planner, [low] * 12)
+    # down_after=4 intervals in a row, then one fewer; cooldown 3 s, and the streak starts again.
+    assert [d.targets["prefill"] for d in ds] == [3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1]
+    assert ds[3].reasons["prefill"] == Reason.LOAD_FELL and ds[7].reasons["prefill"] == Reason.LOAD_FELL
+    assert all(d.targets["decode"] == 1 for d in ds)     # never below 1
+
+
+def test_no_shrink_while_the_slo_is_tight_or_prompts_queue():
+    planner = Planner(CONFIG, KNOWN)
+    tight = obs(3, 1, prompt_tokens_per_s=300, ttft_p90_s=0.45)          # under the SLO, not with margin
+    queued = obs(3, 1, prompt_tokens_per_s=300, ttft_p90_s=0.1, prefill_waiting=3)
+    assert all(d.targets["prefill"] == 3 for d in run(planner, [tight, queued] * 6))
+
+
+def test_does_not_flap_on_a_noisy_signal_around_a_threshold():
+    # One prefill worker carries 800 tok/s at the target utilization: the load alternates around it
+    # and the TTFT around its SLO, every other interval over.
+    planner = Planner(CONFIG, KNOWN)
+    above = obs(1, 1, prompt_tokens_per_s=950, prefill_tokens_per_s=950, ttft_p90_s=0.55, itl_p90_s=0.01)
+    below = obs(1, 1, prompt_tokens_per_s=650, prefill_tokens_per_s=650, ttft_p90_s=0.45, itl_p90_s=0.01)
+    ds = run(planner, [above, below] * 15)
+    assert not any(d.changed for d in ds)
+    # From two workers the same signal never lets one go (one would run at ~100% > 60%).
+    planner = Planner(CONFIG, KNOWN)
+    ds = run(planner, [obs(2, 1, **{k: v for k, v in o.__dict__.items() if k != "replicas"})
+                       for o in [above, below] * 15])
+    assert not any(d.changed for d in ds)
+
+
+def test_respects_max_workers_and_min_one():
+    config = PlannerConfig(ttft_slo_s=0.5, itl_slo_s=0.05, max_workers=4, up_after=1, cooldown_s=0.0)
+    planner = Planner(config, KNOWN)
+    o = obs(1, 1, prompt_tokens_per_s=20000, prefill_tokens_per_s=1000, prefill_waiting=50, ttft_p90_s=9.0,
+            decode_streams=100, itl_p90_s=0.5)
+    ds = run(planner, [o] * 5)
+    for d in ds:
+        assert sum(d.targets.values()) <= 4 and min(d.targets.values()) >= 1
+    assert Reason.AT_MAX in ds[0].reasons.values()
+    idle = run(Planner(config, KNOWN), [obs(1, 1)] * 10)
+    assert all(d.targets == {"prefill": 1, "decode": 1} for d in idle)
+
+
+def test_no_capacity_and_slo_met_is_no_data():
+    d = Planner(CONFIG).decide(obs(1, 1, ttft_p90_s=0.1, itl_p90_s=0.01), 0.0)
+    assert d.reasons == {"prefill": Reason.NO_DATA, "decode": Reason.NO_DATA} and not d.changed
+
+
+def test_capacity_from_a_sim_profile(tmp_path):
+    profile = json.loads(write_fast_profile(tmp_path / "fast.json").read_text())
+    capacity = profile_capacity(profile, itl_slo_s=0.05, context_tokens=1000)
+    # Steps of 2 ms + 0.05 ms per sequence + 0.001 ms per context token: (50 - 2) / 1.05 streams.
+    assert capacity.decode_streams == pytest.approx(48 / 1.05, rel=1e-3)
+    assert capacity.prefill_tokens_per_s == pytest.approx(50000, rel=0.02)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"ttft_slo_s": 0.0, "itl_slo_s": 0.05}, "ttft-slo-ms"),
+    ({"ttft_slo_s": 1.0, "itl_slo_s": 0.05, "max_workers": 1}, "max-workers"),
+    ({"ttft_slo_s": 1.0, "itl_slo_s": 0.05, "interval_s": 0}, "planner-interval-s"),
+    ({"ttft_slo_s": 1.0, "itl_slo_s": 0.05, "down_utilization": 0.9}, "down_utilization"),
+])
+def test_config_refuses(kw, match):
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(**kw)
