@@ -19,7 +19,10 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
 - the router itself runs in a ``ProcessHost`` on the node ``tandem serve`` ran on, and is
   restarted (with every running worker re-registered) if it dies;
 - the router's and every serving replica's /metrics address go to a Prometheus file_sd target
-  list (``ServeSpec.prometheus_sd_file``, deploy/prometheus_sd.py), rewritten as they change.
+  list (``ServeSpec.prometheus_sd_file``, deploy/prometheus_sd.py), rewritten as they change;
+- with ``ServeSpec.planner`` (``tandem serve --planner``) the SLO planner runs as a thread here
+  (deploy/planner_loop.py): it scrapes the router's and the serving replicas' /metrics and sets
+  the desired replicas per role through ``scale``, as ``tandem scale`` does.
 
 The deployment's cluster secret (``ServeSpec.cluster_secret``, made by ``tandem serve``) reaches
 the router and every worker rank in its environment (``TANDEM_CLUSTER_SECRET``), never on a
@@ -49,8 +52,12 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from deploy.launch import ServiceProcess
+from deploy.planner import Capacity, Planner, PlannerConfig, profile_capacity
+from deploy.planner_loop import PlannerLoop, Targets
 from deploy.prometheus_sd import TargetFile, target_groups
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
+from engine.sim.arch import sim_profile_of
+from engine.sim.latency import load_profile
 from protos.auth import SECRET_ENV, SecretStub
 from protos.auth import metadata as secret_metadata
 from protos.limits import ROLES
@@ -93,6 +100,7 @@ class ServeSpec:
     threads: dict[str, int] = field(default_factory=dict)  # torch threads per rank, per role (0: cores / ranks)
     local_prefill: bool = False              # decode ranks prefill short prompts themselves (they get the cores)
     prometheus_sd_file: str = ""             # Prometheus file_sd target list kept current; "" = none
+    planner: PlannerConfig | None = None     # the SLO planner sets the replicas (deploy/planner.py); None = off
 
     def secret_env(self) -> dict[str, str]:
         return {SECRET_ENV: self.cluster_secret} if self.cluster_secret else {}
@@ -273,6 +281,8 @@ class Controller:
         self._ids = {role: itertools.count(0) for role in ROLES}
         self._next_sync = 0.0
         self._targets = TargetFile(spec.prometheus_sd_file) if spec.prometheus_sd_file else None
+        self._planner: PlannerLoop | None = None
+        self.planner_info: dict[str, Any] = {}
 
     # -- API for the CLI -----------------------------------------------------------------------
 
@@ -281,6 +291,8 @@ class Controller:
         self._start_router()
         self._loop = threading.Thread(target=self._run, name="tandem-reconcile", daemon=True)
         self._loop.start()
+        if self.spec.planner is not None:
+            self._start_planner(self.spec.planner)
         return dict(self.router)
 
     def scale(self, role: str, count: int) -> dict[str, int]:
@@ -310,12 +322,19 @@ class Controller:
                     "num_requests": seen.num_requests if seen else 0,
                     "kv_usage": round(seen.kv_usage, 4) if seen else 0.0,
                     "restarts": r.restarts, "error": r.last_error or None})
+            planner = dict(self.planner_info)
+            if self._planner is not None and self._planner.decisions:
+                last = self._planner.decisions[-1]
+                planner["last"] = {"targets": last.targets, "reasons": {k: v.name for k, v in last.reasons.items()},
+                                   "note": last.note}
             return {"model": self.spec.model, "router": dict(self.router), "desired": dict(self.desired),
-                    "started_ray": self.spec.started_ray, "workers": workers}
+                    "started_ray": self.spec.started_ray, "workers": workers, "planner": planner}
 
     def shutdown(self) -> None:
         """Stop the loop, every worker (removed from the router first) and the router."""
         self._stopping.set()
+        if self._planner is not None:
+            self._planner.stop()
         if self._loop is not None:
             self._loop.join(30)
         with self._lock:
@@ -338,6 +357,35 @@ class Controller:
         if self._targets is not None:
             self._targets.publish([])             # Prometheus stops scraping what is gone
         logger.info("deployment stopped")
+
+    # -- planner -----------------------------------------------------------------------------
+
+    def _start_planner(self, config: PlannerConfig) -> None:
+        """The planner's thread and /metrics; a simulated model's profile gives the workers'
+        capacity from the start (else the planner learns it)."""
+        profile = sim_profile_of(self.spec.model)
+        capacity = profile_capacity(load_profile(profile), config.itl_slo_s) if profile is not None else Capacity()
+        self._planner = PlannerLoop(Planner(config, capacity), self._planner_targets, self.scale, self.spec.api_key)
+        address = self._planner.start(self.spec.internal_host or ray.util.get_node_ip_address())
+        self.planner_info = {"metrics": address, "dry_run": config.dry_run, "ttft_slo_ms": config.ttft_slo_s * 1e3,
+                             "itl_slo_ms": config.itl_slo_s * 1e3, "max_workers": config.max_workers,
+                             "interval_s": config.interval_s}
+        logger.info("planner: %s; capacity per worker at start: %s; /metrics at %s",
+                    "dry run (logs only)" if config.dry_run else "sets the replicas", capacity, address)
+
+    def _planner_targets(self) -> Targets | None:
+        """Where the planner scrapes: the router's HTTP address (None while it is not running) and
+        each serving replica's /metrics; with the replicas asked for now."""
+        with self._lock:
+            http = self.router.get("http")
+            if self.router.get("state") != "running" or not http:
+                return None
+            bind, port = http.rsplit(":", 1)
+            if bind in ("0.0.0.0", "[::]", "::"):
+                http = f"{self.router['node']}:{port}"
+            workers = {role: [r.metrics for r in self.replicas if r.role == role and r.state == "running"
+                              and r.metrics] for role in ROLES}
+            return Targets(http, workers, dict(self.desired), {role: len(workers[role]) for role in ROLES})
 
     # -- router ------------------------------------------------------------------------------
 

@@ -9,8 +9,8 @@ The idea is DistServe's and NVIDIA Dynamo's planner: a worker's *capacity within
 the *predicted load* gives the replicas needed, not a threshold on one latency.
 
 - **prefill**: capacity = prompt tokens/s one prefill worker computes (the sim profile's, else
-  learned: the tokens/s per worker measured in an interval where prompts queued, so the workers
-  ran flat out). Load = a moving average of the prompt tokens/s arriving at the router. Needed =
+  learned: the tokens/s of the workers that had prompts queued in an interval whose TTFT broke
+  the SLO, so they ran flat out). Load = a moving average of the prompt tokens/s arriving at the router. Needed =
   ceil(load / (capacity x ``target_utilization``)): a worker kept below full use keeps its queue,
   and so the TTFT, short.
 - **decode**: capacity = streams one decode worker runs with its ITL within the SLO (the profile's
@@ -104,6 +104,9 @@ class Observation:
     serving: dict[str, int] | None = None    # of those, serving now; None: all of them
     prompt_tokens_per_s: float = 0.0         # prompt tokens arriving at the router
     prefill_tokens_per_s: float = 0.0        # prompt tokens the prefill workers computed
+    # Per worker, the mean over the prefill workers with prompts still queued at the end: they ran
+    # flat out, so this is what one computes (0: none was queued).
+    prefill_busy_tokens_per_s: float = 0.0
     prefill_waiting: int = 0                 # requests queued at the prefill workers, at the end
     decode_streams: float = 0.0              # streams running (or reserved) on decode workers, at the end
     decode_kv_usage: float = 0.0             # the fullest decode worker's KV usage ratio
@@ -158,6 +161,7 @@ class Planner:
     prompt_load: float | None = None        # moving average, prompt tokens/s
     stream_load: float | None = None        # moving average, decode streams
     _roles: dict[str, _RoleState] = field(default_factory=lambda: {role: _RoleState() for role in ROLES})
+    _last_serving: dict[str, int] | None = None
 
     def decide(self, obs: Observation, now_s: float) -> Decision:
         self._learn(obs)
@@ -192,17 +196,21 @@ class Planner:
             a * obs.decode_streams + (1 - a) * self.stream_load)
         prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams
         serving = obs.serving or obs.replicas
-        per_worker = obs.prefill_tokens_per_s / max(1, serving["prefill"])
-        if obs.prefill_waiting > 0 and _ratio(obs.ttft_p90_s, self.config.ttft_slo_s) > 1 and per_worker > 0:
-            # Prompts queued long enough to break the SLO: the workers ran flat out, so this is
-            # what one carries.
-            prefill = per_worker if prefill is None else 0.5 * (prefill + per_worker)
+        # A replica that came or went during the interval served part of it: per worker means nothing.
+        steady, self._last_serving = serving == self._last_serving, dict(serving)
+        per_worker = obs.prefill_tokens_per_s / max(1, serving["prefill"]) if steady else 0.0
+        busy = obs.prefill_busy_tokens_per_s
+        if busy > 0 and _ratio(obs.ttft_p90_s, self.config.ttft_slo_s) > 1:
+            # Prompts queued long enough to break the SLO: those workers ran flat out, so this is
+            # what one carries. (Not the total over all workers: a router policy may leave one idle.)
+            prefill = busy if prefill is None else 0.5 * (prefill + busy)
         elif prefill is not None and per_worker > prefill:
             prefill = per_worker
         streams_per_worker = obs.decode_streams / max(1, serving["decode"])
-        if obs.itl_p90_s is not None and streams_per_worker >= 1 and obs.itl_p90_s >= 0.5 * self.config.itl_slo_s:
+        informative = obs.itl_p90_s is not None and obs.itl_p90_s >= 0.5 * self.config.itl_slo_s
+        if steady and informative and streams_per_worker >= 1:
             # ITL grows with the batch: scaled to the SLO, the streams a worker holds within it.
-            estimate = streams_per_worker * self.config.itl_slo_s / obs.itl_p90_s
+            estimate = streams_per_worker * self.config.itl_slo_s / (obs.itl_p90_s or 1.0)
             decode = estimate if decode is None else 0.5 * (decode + estimate)
         self.capacity = Capacity(prefill, decode)
 

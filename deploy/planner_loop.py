@@ -75,7 +75,7 @@ class Scrape:
 
     at_s: float
     router: Samples
-    workers: dict[str, list[Samples]] = field(default_factory=dict)
+    workers: dict[str, dict[str, Samples]] = field(default_factory=dict)   # role -> /metrics address -> samples
 
 
 def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: dict[str, int] | None = None
@@ -86,19 +86,23 @@ def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: di
     def rate(name: str) -> float:
         return max(0.0, _total(after.router, name) - _total(before.router, name)) / dt
 
-    def worker_sum(role: str, name: str, samples: list[Samples] | None = None) -> float:
-        return sum(_total(s, name) for s in (after.workers.get(role, []) if samples is None else samples))
+    def worker_sum(role: str, name: str) -> float:
+        return sum(_total(s, name) for s in after.workers.get(role, {}).values())
 
-    prefill_now = worker_sum("prefill", "tandem_prompt_tokens_total")
-    prefill_then = worker_sum("prefill", "tandem_prompt_tokens_total", before.workers.get("prefill", []))
-    decode = after.workers.get("decode", [])
+    # Per prefill worker seen in both scrapes (one that joined or left served part of the interval).
+    then = before.workers.get("prefill", {})
+    rates = {address: max(0.0, _total(s, "tandem_prompt_tokens_total") - _total(then[address],
+                                                                                "tandem_prompt_tokens_total")) / dt
+             for address, s in after.workers.get("prefill", {}).items() if address in then}
+    busy = [rate for address, rate in rates.items()
+            if _total(after.workers["prefill"][address], "tandem_num_requests_waiting") > 0]
+    decode = list(after.workers.get("decode", {}).values())
     return Observation(
         replicas=dict(replicas),
         serving=None if serving is None else dict(serving),
         prompt_tokens_per_s=rate("tandem_prompt_tokens_arrived_total"),
-        # A worker that came or went between the scrapes makes the difference meaningless: 0 then.
-        prefill_tokens_per_s=max(0.0, prefill_now - prefill_then) / dt
-        if len(after.workers.get("prefill", [])) == len(before.workers.get("prefill", [])) else 0.0,
+        prefill_tokens_per_s=sum(rates.values()),
+        prefill_busy_tokens_per_s=sum(busy) / len(busy) if busy else 0.0,
         prefill_waiting=int(worker_sum("prefill", "tandem_num_requests_waiting")),
         decode_streams=worker_sum("decode", "tandem_num_requests_running")
         + worker_sum("decode", "tandem_num_requests_preallocated"),
@@ -200,7 +204,7 @@ class PlannerLoop:
         for role, addresses in targets.workers.items():
             for address in addresses:
                 try:
-                    scrape.workers.setdefault(role, []).append(fetch_metrics(address))
+                    scrape.workers.setdefault(role, {})[address] = fetch_metrics(address)
                 except (OSError, ValueError) as exc:    # a worker going away: the next round has the rest
                     logger.debug("planner: no /metrics from %s: %s", address, exc)
         return scrape

@@ -123,6 +123,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Prometheus file_sd target list (router and every worker's /metrics) the controller "
                         f"keeps current on this node, for deploy/prometheus/prometheus.yml (default "
                         f"{DEFAULT_SD_FILE}; '' for none)")
+    _planner_args(p)
     p.add_argument("--log-level", default="INFO")
     add_config_args(p, ModelConfig)
     add_config_args(p, CacheConfig)
@@ -148,6 +149,48 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("down", help="stop the deployment (and the Ray cluster `tandem serve --detach` started)")
     _address_arg(p, serve=False)
     p.set_defaults(func=cmd_down, log_level="WARNING")
+
+
+def _planner_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("SLO planner", "set the prefill and decode replicas from the load and the latency "
+                             "SLOs (README 'Planner'); --prefill / --decode are the starting counts")
+    g.add_argument("--planner", action="store_true",
+                   help="run the planner: every interval it reads the router's and workers' /metrics and sets the "
+                        "replicas per role (live scaling, as `tandem scale`); needs --ttft-slo-ms and --itl-slo-ms")
+    g.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
+                   help="time-to-first-token SLO, on the router's p90 over an interval")
+    g.add_argument("--itl-slo-ms", type=float, default=None, metavar="MS",
+                   help="inter-token latency SLO, on the router's p90 over an interval")
+    g.add_argument("--max-workers", type=int, default=8, metavar="N",
+                   help="the most prefill + decode replicas the planner may run (default 8); each role keeps >= 1")
+    g.add_argument("--planner-interval-s", type=float, default=5.0, metavar="S",
+                   help="seconds between the planner's decisions (default 5); it grows a role after 2 intervals "
+                        "in a row asked for it, shrinks one after 6, and leaves a role alone 3 intervals after "
+                        "each change")
+    g.add_argument("--planner-dry-run", action="store_true",
+                   help="decide and log (and export tandem_planner_* metrics), change nothing")
+
+
+def planner_config(args: argparse.Namespace) -> Any:
+    """The PlannerConfig of ``--planner`` and its flags, else None; raises ServeError on a bad one."""
+    from deploy.planner import PlannerConfig
+
+    given = [f for f, v in (("--ttft-slo-ms", args.ttft_slo_ms), ("--itl-slo-ms", args.itl_slo_ms)) if v is not None]
+    if not args.planner:
+        if given or args.planner_dry_run:
+            raise ServeError(f"{', '.join(given) or '--planner-dry-run'} without --planner: add --planner")
+        return None
+    if len(given) < 2:
+        raise ServeError("--planner needs both --ttft-slo-ms and --itl-slo-ms")
+    if args.prefill + args.decode > args.max_workers:
+        raise ServeError(f"--prefill {args.prefill} + --decode {args.decode} is more than --max-workers "
+                         f"{args.max_workers}: raise --max-workers or start with fewer")
+    try:
+        return PlannerConfig(ttft_slo_s=args.ttft_slo_ms / 1e3, itl_slo_s=args.itl_slo_ms / 1e3,
+                             max_workers=args.max_workers, interval_s=args.planner_interval_s,
+                             cooldown_s=3 * args.planner_interval_s, dry_run=args.planner_dry_run)
+    except ValueError as exc:
+        raise ServeError(str(exc)) from None
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
@@ -362,6 +405,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     arch, model_path = check_model(args, tp)
     check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
     knobs = worker_flags(args)             # builds, and so checks, every engine config before Ray starts
+    args.planner_config = planner_config(args)
 
     owns_cluster = connect(args.address, may_start=True, detach=args.detach)
     import ray
@@ -417,7 +461,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                      internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice,
                      threads={"prefill": args.prefill_threads, "decode": args.decode_threads},
                      local_prefill=local_prefill > 0,
-                     prometheus_sd_file=os.path.abspath(args.prometheus_sd_file) if args.prometheus_sd_file else "")
+                     prometheus_sd_file=os.path.abspath(args.prometheus_sd_file) if args.prometheus_sd_file else "",
+                     planner=args.planner_config)
     controller = Controller.options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
@@ -506,6 +551,13 @@ def render_status(status: dict) -> str:
         lines.append(f"{w['id']:<11} {w['role']:<8} {w['state']:<10} {w['address'] or '-':<22} {w['pid'] or '-':>7} "
                      f"{w['node'] or '-':<15} {w['num_running']:>4} {w['num_waiting']:>5} "
                      f"{100 * w['kv_usage']:>5.1f}% {w['num_requests']:>6} {w['restarts']:>8}")
+    planner = status.get("planner") or {}
+    if planner:
+        last = planner.get("last") or {}
+        dry = " (dry run)" if planner.get("dry_run") else ""
+        lines.append(f"planner{dry}: TTFT SLO {planner['ttft_slo_ms']:g} ms, ITL SLO {planner['itl_slo_ms']:g} ms, "
+                     f"max {planner['max_workers']} workers, /metrics "
+                     f"{planner['metrics']}; last: {last.get('reasons', '-')} {last.get('note', '')}")
     if r.get("error"):
         lines.append(f"router: {r['error']}")
     for w in status["workers"]:

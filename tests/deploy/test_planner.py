@@ -43,11 +43,25 @@ def test_adds_prefill_when_ttft_breaks_under_rising_prompt_load():
 
 def test_learns_prefill_capacity_from_a_saturated_interval():
     planner = Planner(CONFIG)            # nothing known: no profile
-    hot = obs(1, 1, prompt_tokens_per_s=2500, prefill_tokens_per_s=1000, prefill_waiting=10, ttft_p90_s=2.0)
+    hot = obs(1, 1, prompt_tokens_per_s=2500, prefill_tokens_per_s=1000, prefill_busy_tokens_per_s=1000,
+              prefill_waiting=10, ttft_p90_s=2.0)
     ds = run(planner, [hot, hot])
     assert planner.capacity.prefill_tokens_per_s == 1000.0
     # EMA of 2500 tok/s over 1000 x 0.8 per worker: 4 workers.
     assert ds[1].targets["prefill"] == 4 and ds[1].reasons["prefill"] == Reason.PREFILL_LOAD
+
+
+def test_learns_a_lower_capacity_only_from_workers_that_ran_flat_out():
+    planner = Planner(CONFIG, KNOWN)
+    # Two workers, 1200 tok/s between them, the TTFT broken: a router policy sent most to one (its
+    # queue: 1000 tok/s), the other idled. The capacity is the busy one's, not 600.
+    o = obs(2, 1, prompt_tokens_per_s=1200, prefill_tokens_per_s=1200, prefill_busy_tokens_per_s=1000,
+            prefill_waiting=5, ttft_p90_s=2.0)
+    planner.decide(o, 0.0)
+    assert planner.capacity.prefill_tokens_per_s == 1000.0
+    # No queue: nothing learned from a TTFT broken elsewhere (say, a slow transfer).
+    planner.decide(obs(2, 1, prompt_tokens_per_s=500, prefill_tokens_per_s=500, ttft_p90_s=2.0), 1.0)
+    assert planner.capacity.prefill_tokens_per_s == 1000.0
 
 
 def test_ttft_over_slo_adds_one_when_the_model_says_enough():
@@ -83,13 +97,14 @@ def test_adds_decode_when_itl_breaks():
     ds = run(planner, [o, o])
     assert ds[1].targets == {"prefill": 1, "decode": 2}
     assert ds[1].reasons["decode"] == Reason.DECODE_LOAD
-    # Learned: 15 streams at 80 ms for a 50 ms SLO is 9.375 a worker, averaged into 10, twice.
-    assert planner.capacity.decode_streams == pytest.approx(0.5 * (0.5 * (10 + 9.375) + 9.375))
+    # Learned: 15 streams at 80 ms for a 50 ms SLO is 9.375 a worker, averaged into 10 -- once: the
+    # first interval has no interval before it to say the replicas served all of it.
+    assert planner.capacity.decode_streams == pytest.approx(0.5 * (10 + 9.375))
     # Few streams at 4x the SLO: one worker holds fewer than it was thought to, and it learns that.
     planner = Planner(CONFIG, KNOWN)
     o = obs(1, 1, decode_streams=3, itl_p90_s=0.2)
     assert run(planner, [o, o])[1].targets["decode"] == 2
-    assert planner.capacity.decode_streams == pytest.approx(0.5 * (0.5 * (10 + 0.75) + 0.75))
+    assert planner.capacity.decode_streams == pytest.approx(0.5 * (10 + 0.75))
     # ITL over its SLO with nothing to learn from (the streams ended by the scrape): the model says
     # one suffices, the observation says no.
     planner = Planner(CONFIG, KNOWN)

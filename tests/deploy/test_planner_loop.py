@@ -26,8 +26,8 @@ def test_window_quantile_of_the_buckets_between_two_scrapes():
 
 def _scrape(at_s: float, router: RouterMetrics, prefill: list[WorkerMetrics], decode: list[WorkerMetrics]) -> Scrape:
     return Scrape(at_s, parse_samples(router.render().decode()),
-                  {"prefill": [parse_samples(generate_latest(w.registry).decode()) for w in prefill],
-                   "decode": [parse_samples(generate_latest(w.registry).decode()) for w in decode]})
+                  {role: {f"{role}-{i}": parse_samples(generate_latest(w.registry).decode()) for i, w in enumerate(ws)}
+                   for role, ws in (("prefill", prefill), ("decode", decode))})
 
 
 def test_observe_reads_the_real_series():
@@ -49,6 +49,7 @@ def test_observe_reads_the_real_series():
     decode[0].kv_usage.set(0.4)
     o = observe(before, _scrape(12.0, router, prefill, decode), {"prefill": 2, "decode": 1})
     assert o.prompt_tokens_per_s == 2000.0 and o.prefill_tokens_per_s == 1000.0
+    assert o.prefill_busy_tokens_per_s == 250.0       # the one with a queue
     assert o.prefill_waiting == 2 and o.decode_streams == 8 and o.decode_kv_usage == 0.4
     assert o.ttft_p90_s == pytest.approx(0.25)       # the 9th of 10 is the last in (0.1, 0.25]
     assert o.itl_p90_s == pytest.approx(0.01 + 0.015 * 0.9)

@@ -181,3 +181,20 @@ def test_status_says_why_the_router_is_down():
     text = serve.render_status(status)
     assert "node 10.0.0.11, down)" in text
     assert "router: the router's process host died: node lost; restart failed: no node of --router-node" in text
+
+
+def test_planner_flags():
+    assert serve.planner_config(parse()) is None
+    config = serve.planner_config(parse("--planner", "--ttft-slo-ms", "800", "--itl-slo-ms", "60", "--max-workers",
+                                        "6", "--planner-interval-s", "2", "--planner-dry-run"))
+    assert (config.ttft_slo_s, config.itl_slo_s, config.max_workers, config.interval_s, config.cooldown_s,
+            config.dry_run) == (0.8, 0.06, 6, 2.0, 6.0, True)
+    with pytest.raises(serve.ServeError, match="--ttft-slo-ms without --planner"):
+        serve.planner_config(parse("--ttft-slo-ms", "800"))
+    with pytest.raises(serve.ServeError, match="needs both --ttft-slo-ms and --itl-slo-ms"):
+        serve.planner_config(parse("--planner", "--ttft-slo-ms", "800"))
+    with pytest.raises(serve.ServeError, match="--prefill 3 \\+ --decode 2 is more than --max-workers 4"):
+        serve.planner_config(parse("--planner", "--ttft-slo-ms", "800", "--itl-slo-ms", "60", "--prefill", "3",
+                                   "--decode", "2", "--max-workers", "4"))
+    with pytest.raises(serve.ServeError, match="--itl-slo-ms must be > 0"):
+        serve.planner_config(parse("--planner", "--ttft-slo-ms", "800", "--itl-slo-ms", "0"))
