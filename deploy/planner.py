@@ -26,8 +26,8 @@ Hysteresis, so a noisy signal does not flap: a role grows only after ``up_after`
 row asked for more, and shrinks (one replica at a time) only after ``down_after`` intervals in a
 row in which one replica fewer would still carry the load at ``down_utilization`` (below the
 target: headroom) and the SLO was met with margin. After any change a role is left alone for
-``cooldown_s``. Targets are clamped to [1, max] per role and ``max_workers`` in all; when the two
-roles' needs exceed ``max_workers``, the role furthest over its SLO gets the room.
+``cooldown_s``. Targets are clamped to [1, max_workers - 1] per role and ``max_workers`` in all;
+when the two roles ask for more than that, the growth of the one asking for the most is cut first.
 """
 from __future__ import annotations
 
