@@ -27,7 +27,7 @@ row asked for more, and shrinks (one replica at a time) only after ``down_after`
 row in which one replica fewer would still carry the load at ``down_utilization`` (below the
 target: headroom) and the SLO was met with margin. After any change a role is left alone for
 ``cooldown_s``. Targets are clamped to [1, max_workers - 1] per role and ``max_workers`` in all;
-when the two roles ask for more than that, the growth of the one asking for the most is cut first.
+when the two roles ask for more than that, the room is shared: the larger growth is cut first.
 """
 from __future__ import annotations
 
@@ -171,15 +171,13 @@ class Planner:
         targets: dict[str, int] = {}
         for role in ROLES:
             targets[role], reasons[role] = self._hysteresis(role, obs, need[role], reasons[role], now_s)
-        # The cap again: a role may only grow into room the other one leaves.
-        over = sum(targets.values()) - self.config.max_workers
-        if over > 0:
-            for role in sorted(ROLES, key=lambda r: targets[r] - obs.replicas[r], reverse=True):
-                cut = min(over, max(0, targets[role] - obs.replicas[role]))
-                if cut:
-                    targets[role] -= cut
-                    reasons[role] = Reason.AT_MAX
-                    over -= cut
+        # The cap again: the room left is shared, one replica at a time off the larger growth.
+        for _ in range(sum(targets.values()) - self.config.max_workers):
+            role = max(ROLES, key=lambda r: targets[r] - obs.replicas[r])
+            if targets[role] <= obs.replicas[role]:
+                break                              # over the cap without growing (scaled by hand): left as is
+            targets[role] -= 1
+            reasons[role] = Reason.AT_MAX
         changed = targets != obs.replicas
         for role in ROLES:
             if targets[role] != obs.replicas[role]:

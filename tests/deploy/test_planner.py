@@ -160,7 +160,14 @@ def test_respects_max_workers_and_min_one():
     ds = run(planner, [o] * 5)
     for d in ds:
         assert sum(d.targets.values()) <= 4 and min(d.targets.values()) >= 1
-    assert Reason.AT_MAX in ds[0].reasons.values()
+    # Both want 3 (the most one role may have with 4 in all): the room, 2, is shared.
+    assert ds[0].targets == {"prefill": 2, "decode": 2}
+    assert ds[0].reasons == {"prefill": Reason.AT_MAX, "decode": Reason.AT_MAX}
+    # Prefill wants 3, decode 2 (its ITL over the SLO, no streams to learn from): the larger growth gives.
+    o = obs(1, 1, prompt_tokens_per_s=20000, prefill_busy_tokens_per_s=1000, prefill_waiting=50, ttft_p90_s=9.0,
+            itl_p90_s=0.5)
+    d = Planner(config, KNOWN).decide(o, 0.0)
+    assert d.targets == {"prefill": 2, "decode": 2} and d.reasons["decode"] == Reason.ITL_SLO
     idle = run(Planner(config, KNOWN), [obs(1, 1)] * 10)
     assert all(d.targets == {"prefill": 1, "decode": 1} for d in idle)
 
