@@ -610,7 +610,7 @@ class Controller:
         """Keep the Prometheus target file (deploy/prometheus_sd.py) in step with who serves."""
         if self._targets is not None:
             with self._lock:
-                groups = target_groups(self.router, self.replicas)
+                groups = target_groups(self.router, self.replicas, self.planner_info.get("metrics", ""))
             self._targets.publish(groups)
 
     # -- one replica -------------------------------------------------------------------------

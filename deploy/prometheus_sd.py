@@ -6,8 +6,8 @@ set of scrape targets changed, the file is rewritten atomically (a temporary fil
 it), so Prometheus' ``file_sd_configs`` never reads half a list. The format is Prometheus'
 file_sd JSON: a list of ``{"targets": ["host:port"], "labels": {...}}`` groups.
 
-Labels: ``role`` (router, prefill, decode), ``replica`` (prefill-0, ..., or router) and
-``node``. The router's series carry no ``role`` of their own, so this label is how the dashboard
+Labels: ``role`` (router, prefill, decode, planner), ``replica`` (prefill-0, ..., router or
+planner) and ``node``. The router's series carry no ``role`` of their own, so this label is how the dashboard
 tells them from the workers' series of the same name; the workers' own ``role`` agrees with it.
 Only rank 0 of a replica serves /metrics (followers run its steps and have no scheduler).
 """
@@ -35,11 +35,15 @@ def scrape_address(bind: str, node_ip: str) -> str:
     return f"{node_ip}:{port}" if host in _WILDCARDS and node_ip else bind
 
 
-def target_groups(router: dict[str, Any], replicas: Iterable[Any]) -> list[dict[str, Any]]:
-    """The file_sd groups for the router (``Controller.router``: http, node) and every replica
-    (``Replica``: id, role, state, node, metrics) that serves. Sorted, so equal membership
-    gives an equal list."""
+def target_groups(router: dict[str, Any], replicas: Iterable[Any], planner: str = "") -> list[dict[str, Any]]:
+    """The file_sd groups for the router (``Controller.router``: http, node), every replica
+    (``Replica``: id, role, state, node, metrics) that serves and the SLO planner's /metrics
+    (``planner``: host:port, "" = none; it runs in the controller, on the router's node unless
+    --router-node moved the router). Sorted, so equal membership gives an equal list."""
     groups = []
+    if planner:
+        groups.append({"targets": [planner],
+                       "labels": {"role": "planner", "replica": "planner", "node": planner.rpartition(":")[0]}})
     if router.get("http"):
         groups.append({"targets": [scrape_address(router["http"], router.get("node", ""))],
                        "labels": {"role": "router", "replica": "router", "node": router.get("node", "")}})

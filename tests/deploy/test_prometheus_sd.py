@@ -48,6 +48,8 @@ def test_groups_list_the_router_and_serving_replicas_only():
         {"targets": ["127.0.0.1:8000"], "labels": {"role": "router", "replica": "router", "node": "10.0.0.5"}},
     ]
     assert target_groups({}, []) == []
+    assert target_groups({}, [], planner="127.0.0.1:9200") == [
+        {"targets": ["127.0.0.1:9200"], "labels": {"role": "planner", "replica": "planner", "node": "127.0.0.1"}}]
 
 
 def test_a_wildcard_bind_is_scraped_at_the_node_address():

@@ -79,7 +79,7 @@ def test_planner_adds_a_prefill_replica_under_load_and_gives_it_back(tmp_path):
                       # tree, the new replica's, and leave the old one idle once its queue is done.
                       "--prefill-policy", "least_load",
                       "--planner", "--ttft-slo-ms", "500", "--itl-slo-ms", "200", "--max-workers", "4",
-                      "--planner-interval-s", "1")
+                      "--planner-interval-s", "1", "--prometheus-sd-file", str(tmp_path / "targets.json"))
     log = dep.log
     pids: list[int] = []
     try:
@@ -112,6 +112,8 @@ def test_planner_adds_a_prefill_replica_under_load_and_gives_it_back(tmp_path):
         metrics = httpx.get(f"http://{status['planner']['metrics']}/metrics").text
         assert 'tandem_planner_target_replicas{role="prefill"} 1.0' in metrics
         assert "planner: TTFT SLO 500 ms, ITL SLO 200 ms, max 4 workers" in dep.cli("status").stdout
+        targets = json.loads((tmp_path / "targets.json").read_text())
+        assert [g["targets"] for g in targets if g["labels"]["role"] == "planner"] == [[status["planner"]["metrics"]]]
     finally:
         interrupt(dep.proc)
     assert dep.proc.returncode == 0, dep.log_tail()
