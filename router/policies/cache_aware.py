@@ -11,8 +11,10 @@ For a prompt:
    ``max_load > balance_rel_threshold * min_load`` — fall back to least load.
 2. Otherwise find the worker whose tree matches the longest prefix. If the matched fraction of
    the prompt is at least ``cache_threshold``, choose it.
-3. Otherwise choose the worker with the smallest tree (the most room to cache new prefixes),
-   ties by load.
+3. Otherwise (a miss) choose the least loaded worker, ties by the smallest tree (the most room
+   to cache new prefixes). sgl-router takes the smallest tree first; with prompts that share no
+   prefix that sends every new prompt to a just-added replica (its tree is empty) while the old
+   ones idle, until the load gap passes the balance thresholds.
 The chosen worker's tree then records the prompt's chunks. Knobs are constructor arguments;
 defaults follow sgl-router.
 """
@@ -99,7 +101,7 @@ class CacheAware:
             if matched[best.address] and ratio >= self.cache_threshold:
                 chosen = best
             else:
-                chosen = min(workers, key=lambda w: (len(self._tree(w.address)), *load_key(w)))
+                chosen = min(workers, key=lambda w: (w.load, len(self._tree(w.address)), *load_key(w)))
         self._tree(chosen.address).insert(hashes)
         return chosen
 

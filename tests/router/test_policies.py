@@ -48,9 +48,24 @@ def test_cache_aware_sends_a_shared_prefix_back_to_the_same_worker():
     workers = [worker("a:1"), worker("b:1")]
     first = policy.choose(workers, list(range(16)))
     other = policy.choose(workers, list(range(100, 116)))
-    assert other.address != first.address  # no match: the smaller (empty) tree wins
+    assert other.address != first.address  # no match, equal loads: the smaller (empty) tree wins
     assert policy.choose(workers, list(range(16)) + [7, 7, 7, 7]).address == first.address
     assert policy.choose(workers, list(range(100, 116)) + [1]).address == other.address
+
+
+def test_cache_aware_sends_a_miss_to_the_least_loaded_worker_not_the_emptiest_tree():
+    # A replica just added has an empty tree; prompts that share no prefix must not all go to it
+    # while the old replica idles (it did: 1 in flight there against 0 kept choosing the new one).
+    policy = CacheAware(chunk_tokens=4)
+    old, new = worker("old:1", load=0), worker("new:1", load=0)
+    for i in range(8):
+        policy.choose([old], list(range(100 * i, 100 * i + 16)))
+    picks = []
+    for i in range(8):
+        chosen = policy.choose([old, new], list(range(10_000 + 100 * i, 10_000 + 100 * i + 16)))
+        chosen.num_inflight += 1       # the prompt is in flight there now
+        picks.append(chosen.address)
+    assert picks.count("old:1") == picks.count("new:1") == 4, picks
 
 
 def test_cache_aware_falls_back_to_least_load_when_imbalanced():
