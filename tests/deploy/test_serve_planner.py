@@ -75,9 +75,8 @@ def test_planner_adds_a_prefill_replica_under_load_and_gives_it_back(tmp_path):
     profile.write_text(json.dumps(profile_rows(2.0, 0.05, 0.001, PREFILL_TOK_PER_S, kv_cache_tokens=65536)))
     dep = start_serve(tmp_path / "serve", "--engine", "sim", "--sim-profile", str(profile), "--prefill", "1",
                       "--decode", "1", "--max-model-len", "1024", "--local-prefill-max-tokens", "0",
-                      # Every prompt is new: cache_aware would send them all to the emptiest prefix
-                      # tree, the new replica's, and leave the old one idle once its queue is done.
-                      "--prefill-policy", "least_load",
+                      # The default prefill policy (cache_aware): every prompt is new, so each is a
+                      # miss and must go to the least loaded replica, not all to the new one.
                       "--planner", "--ttft-slo-ms", "500", "--itl-slo-ms", "200", "--max-workers", "4",
                       "--planner-interval-s", "1", "--prometheus-sd-file", str(tmp_path / "targets.json"))
     log = dep.log
