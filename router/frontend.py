@@ -129,7 +129,8 @@ class Frontend:
             raise errors.invalid_request(f"the prompt has {num_tokens} token ids, more than the router takes "
                                          f"({MAX_PROMPT_TOKEN_IDS})", "prompt")
 
-    def check_num_messages(self, num_messages: int) -> None:
+    @staticmethod
+    def check_num_messages(num_messages: int) -> None:
         if not num_messages:
             raise errors.invalid_request("messages is empty", "messages")
         if num_messages > MAX_CHAT_MESSAGES:

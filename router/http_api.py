@@ -7,11 +7,12 @@
 Every bad request is answered with a 4xx before any stream byte, in this order and as cheaply
 as it can be: the Host header against ``allowed_hosts`` (DNS rebinding; /health stays open) and,
 with an API key, ``Authorization: Bearer KEY`` on /v1/*, both before the body is read; the body
-size against ``max_request_body_bytes`` (413) while it is read; then parsing, the counts
-(prompts, token ids per prompt, messages) on the parsed JSON before pydantic builds a model per
-element, field checks, the fan-out cap (prompts x n) and, off the event loop for any body
-larger than INLINE_PREPARE_BYTES (content, message count and tool schemas all grow it),
-templating and tokenizing. A large non-streaming answer (n x max_tokens x top logprobs) is
+size against ``max_request_body_bytes`` (413) while it is read; then parsing (a large body with
+very many values in a child process first: router/body_check.py), the counts (prompts, token ids
+per prompt, messages) on the parsed JSON before pydantic builds a model per element, field
+checks, the fan-out cap (prompts x n) and, off the event loop for any body larger than
+INLINE_PREPARE_BYTES (content, message count and tool schemas all grow it), templating and
+tokenizing. A large non-streaming answer (n x max_tokens x top logprobs) is
 built and encoded off the loop too. A non-streaming request whose client disconnects is
 cancelled, which aborts it at both workers, as closing a stream does; a client gone during its
 upload is one log line. Connection-level limits (head size, header count, slow heads and
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -39,6 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from protos.limits import ROLES
 from router import errors
+from router.body_check import ChildCheck, SizeLimits, check_sizes
 from router.cluster import cluster_view
 from router.config import RouterConfig
 from router.frontend import Frontend, PreparedRequest, TextChunk
@@ -222,35 +225,17 @@ class HttpApi:
                         request.url.path, nbytes)
             raise ClientGone from None
         raw = b"".join(parts)
+        limits = self._size_limits()
+        check = functools.partial(check_sizes, limits=limits)
         if nbytes <= INLINE_BYTES:
-            return parse_body(raw, model, self._check_sizes), nbytes
-        return await asyncio.to_thread(parse_body, raw, model, self._check_sizes), nbytes
+            return parse_body(raw, model, check), nbytes
+        if ChildCheck.wanted(raw):   # a parse that would hold the GIL long: refused in a child first
+            await ChildCheck.refuse(raw, model is ChatCompletionRequest, limits)
+        return await asyncio.to_thread(parse_body, raw, model, check), nbytes
 
-    def _check_sizes(self, data: dict) -> None:
-        """On the parsed JSON, before pydantic validates element by element: how many prompts,
-        token ids per prompt and messages (a 12 MB body holds 3M one-token prompts)."""
-        prompt, messages = data.get("prompt"), data.get("messages")
-        if isinstance(prompt, list) and prompt:
-            if isinstance(prompt[0], (list, str)):
-                if len(prompt) > self.frontend.max_sub_requests:
-                    raise errors.invalid_request(f"{len(prompt)} prompts, more than max_sub_requests="
-                                                 f"{self.frontend.max_sub_requests}", "prompt")
-                for i, ids in enumerate(prompt):
-                    if isinstance(ids, list):
-                        self._check_num_token_ids(len(ids), f"prompt.{i}")
-            else:
-                self._check_num_token_ids(len(prompt), "prompt")
-        if isinstance(messages, list):
-            self.frontend.check_num_messages(len(messages))
-
-    def _check_num_token_ids(self, num_tokens: int, param: str) -> None:
-        max_model_len = self.frontend.registry.max_model_len
-        if max_model_len is not None and num_tokens >= max_model_len:
-            raise errors.invalid_request(f"This model's maximum context length is {max_model_len} tokens, but the "
-                                         f"prompt has {num_tokens} tokens; shorten the prompt", param)
-        if num_tokens > self.frontend.max_prompt_chars:   # before any worker said: no token is shorter than a char
-            raise errors.invalid_request(f"the prompt has {num_tokens} token ids, more than max_prompt_chars="
-                                         f"{self.frontend.max_prompt_chars}", param)
+    def _size_limits(self) -> SizeLimits:
+        return SizeLimits(self.frontend.max_sub_requests, self.frontend.max_prompt_chars,
+                          self.frontend.registry.max_model_len)
 
     @staticmethod
     async def _off_loop(body_nbytes: int, fn, *args):

@@ -25,6 +25,7 @@ from protos.limits import MAX_MESSAGE_BYTES
 from protos.tandem.v1 import admin_pb2_grpc, tandem_pb2_grpc
 from router.admin_api import SERVICE_NAME as ADMIN_SERVICE_NAME
 from router.admin_api import AdminServicer
+from router.body_check import ChildCheck
 from router.config import RouterConfig
 from router.dispatch import Dispatcher
 from router.frontend import Frontend
@@ -133,6 +134,7 @@ class Router:
             await self._grpc.stop(grace=1.0)
         await self.registry.stop()
         await self.dispatcher.close()
+        ChildCheck.shutdown()
 
     async def __aenter__(self) -> Router:
         return await self.start()

@@ -83,6 +83,42 @@ def test_three_million_one_token_prompts_are_refused_before_validation_and_healt
     assert error["param"] == "prompt" and "3000000 prompts, more than max_sub_requests=16" in error["message"]
 
 
+class ParseSpy:
+    """Records the size of every body the router process itself parses."""
+
+    def __init__(self, monkeypatch) -> None:
+        import router.http_api
+        self.sizes: list[int] = []
+        real = router.http_api.parse_body
+
+        def spy(raw, model, check_sizes=None):
+            self.sizes.append(len(raw))
+            return real(raw, model, check_sizes)
+        monkeypatch.setattr(router.http_api, "parse_body", spy)
+
+
+def test_a_body_of_very_many_values_is_refused_by_the_child_and_never_parsed_in_the_router(cluster, monkeypatch):
+    # 15 MB of 3M one-token text prompts: orjson took ~0.2-0.5 s with the GIL held in the router
+    # (the loop answered nothing meanwhile) only to refuse the count. Now a child process parses it.
+    spy = ParseSpy(monkeypatch)
+    body = json.dumps({"prompt": ["a"] * 3_000_000, "max_tokens": 1}).encode()
+    error = error_of(post(cluster.http, C, body), 400)
+    assert error["param"] == "prompt" and "3000000 prompts, more than max_sub_requests=16" in error["message"]
+    assert len(body) not in spy.sizes, spy.sizes
+    # The same refusal, the same words, as the router's own check gives a small body.
+    small = error_of(post(cluster.http, C, {"prompt": ["a"] * 17, "max_tokens": 1}), 400)
+    assert small["message"] == error["message"].replace("3000000", "17")
+
+
+def test_a_large_body_the_child_finds_nothing_wrong_with_is_served(cluster, monkeypatch):
+    spy = ParseSpy(monkeypatch)
+    body = json.dumps({"prompt": "hi", "max_tokens": 2, "metadata": "," * 200_000 + "x" * (1 << 20)}).encode()
+    response = post(cluster.http, C, body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert spy.sizes == [len(body)]          # checked in the child, then parsed here once
+
+
 @pytest.mark.parametrize("case,body,param,fragment", [
     ("one-of-a-batch-past-the-context", {"prompt": [[1, 2], [1] * 2_000_000]}, "prompt.1",
      "maximum context length is 4096"),
