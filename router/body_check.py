@@ -8,8 +8,8 @@ GIL while it builds the objects: a 15 MB body of 3M one-token prompts held the l
 it can hold) is first parsed and checked by ``parse_body`` in a child process, and refused from
 there; only a body the child finds nothing wrong with is parsed again in the router. Smaller or
 flatter bodies (a long text is one value) parse in milliseconds and skip the child. The child is
-one spawned process, started on first use and kept; if it dies or is slow the router parses the
-body itself, as it did before.
+one spawned process, started on first use and kept, that exits with the router (even a killed
+one); if it dies or is slow the router parses the body itself, as it did before.
 """
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ import asyncio
 import functools
 import logging
 import multiprocessing
+import os
 import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
@@ -78,6 +80,16 @@ def _refusal_in_child(raw: bytes, chat: bool, limits: SizeLimits) -> tuple[str, 
     return None
 
 
+def _exit_with_parent(parent_pid: int) -> None:
+    """Child process initializer: the child leaves when the router does, even on kill -9 (its
+    task queue would not tell it: the child holds both ends of the pipe)."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(0)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class ChildCheck:
     """The one child process (shared by every router in this process)."""
 
@@ -111,7 +123,8 @@ class ChildCheck:
     def _executor(cls) -> ProcessPoolExecutor:
         with cls._lock:
             if cls._pool is None:
-                cls._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+                cls._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=_exit_with_parent, initargs=(os.getpid(),))
             return cls._pool
 
     @classmethod
