@@ -324,7 +324,7 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
                 raise ServeError(f"no Ray cluster at {address or 'auto'} ({exc}): nothing is serving here; "
                                  "start with `tandem serve`") from None
     if not detach:
-        ray.init(include_dashboard=False, **quiet)   # lives as long as this process
+        ray.init(address="local", include_dashboard=False, **quiet)   # lives as long as this process
         return False
     # Token authentication (Ray >= 2.52): without the token in ~/.ray/auth_token, which `ray start`
     # makes on first use and which never appears on a command line, nothing can join or use the

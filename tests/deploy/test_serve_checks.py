@@ -198,3 +198,15 @@ def test_planner_flags():
                                    "--decode", "2", "--max-workers", "4"))
     with pytest.raises(serve.ServeError, match="--itl-slo-ms must be > 0"):
         serve.planner_config(parse("--planner", "--ttft-slo-ms", "800", "--itl-slo-ms", "0"))
+
+
+def test_address_local_always_starts_its_own_ray(monkeypatch):
+    """`--address local` must not join a cluster another `tandem serve --address local` on the same
+    machine started: Ray's address=None reads /tmp/ray/ray_current_cluster and joins that one, and
+    the second deployment then fails with "already running"."""
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    assert serve.connect("local", may_start=True) is False
+    assert calls and calls[0].get("address") == "local"
