@@ -1,0 +1,451 @@
+"""The control plane at scale (issue 28, item 2): `tandem serve --engine sim` with many workers.
+
+A script, not a test. It starts `tandem serve --address local --engine sim --sim-profile P
+--prefill NP --decode ND` (default profile: the shipped GPU one, so a step is a short sleep and
+the router, not the engine, is what is measured), then runs these phases one after the other and
+prints one table. Every number is measured in this run:
+
+1. **latency**: ``--requests`` streamed completions (``--max-tokens`` tokens, ``--concurrency``
+   client loops). Client-side TTFT (request sent -> first token chunk) and ITL (gap between
+   token chunks as the client reads them: chunks that arrive together read as ~0) percentiles;
+   these include the sim's modelled step time, so the router's added
+   latency is bounded above by them, not isolated. Router CPU = the router process's
+   utime + stime (/proc/PID/stat) after the phase minus before, divided by requests and by
+   streamed tokens (SSE chunks with text). The client shares the machine's cores.
+2. **ramp**: open-loop request rates from ``--ramp-rates`` (streamed, ``--ramp-max-tokens``
+   tokens), ``--ramp-step-s`` each, until a step has errors, a TTFT p50 over
+   ``--ramp-ttft-limit-s`` or completes under 90% of its offered rate. "max streamed req/s" is the
+   completed requests/s of the last step that passed.
+3. **open streams**: for each K in ``--streams``, K streams with ``--hold-max-tokens`` tokens
+   are opened and held until every one has its first token (or ``--hold-timeout-s``); the router's
+   RSS (anon, MiB) then minus its RSS before the phase, divided by K, is the memory per open
+   stream (streams still waiting for a first token are open too, queued at a worker: the table
+   says how many had one). The streams are then closed by the client. Failed = a stream that got
+   an error or no first token within ``--timeout-s``. A worker runs at most ``--max-num-seqs``
+   sequences, and a held stream keeps generating until ``--hold-max-tokens``: for K streams to
+   all start, give `-- --max-num-seqs N` with N x decode workers >= K.
+4. **scale**: ``--scale A,B,A`` (A = the starting decode count) while ``--scale-streams`` client
+   loops send streamed requests: the wall time of each `tandem scale decode N` (it returns when
+   the controller has settled), the time of a `tandem status --json` (one controller reconcile
+   view), and the streams that failed.
+5. **kills** (``--kills N``, optional): ``--kill-streams`` fixed greedy prompts are answered once
+   undisturbed (the reference), then again while N random workers are kill -9'd, spaced
+   ``--kill-every-s``; every stream must complete with the reference's text.
+
+    python benchmarks/scale_sim.py [--prefill 2] [--decode 8] [--streams 1000,5000] \
+        [--scale 8,32,8] [--kills 0] [-- extra `tandem serve` flags]
+
+Everything listens on 127.0.0.1. The deployment is stopped with Ctrl-C (SIGINT) even on errors.
+Exit status 0 when no phase had a failed or differing stream.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from soak import REPO_ROOT, Deployment, rss_mib
+
+DEFAULT_PROFILE = REPO_ROOT / "engine" / "sim" / "profiles" / "llama-3.1-8b-h100.json"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of a process, seconds (fields 14 and 15 of /proc/PID/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# -- one stream ------------------------------------------------------------------------------
+
+@dataclass
+class Result:
+    ok: bool
+    text: str = ""
+    error: str = ""
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+def prompt_ids(i: int, length: int = 64) -> list[int]:
+    return [(1000 + 37 * i + 7 * j) % 40000 + 100 for j in range(length)]
+
+
+async def stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, timeout_s: float,
+                 first_token: asyncio.Event | None = None, release: asyncio.Event | None = None) -> Result:
+    """One streamed completion. With ``release``: signal ``first_token``, then close the stream
+    when ``release`` is set (a held stream; it counts as ok)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    result = Result(ok=False)
+
+    async def run() -> None:
+        start = last = time.monotonic()
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:160]!r}"
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    result.ok = True
+                    return
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = f"error event: {str(chunk['error'])[:160]}"
+                    return
+                text = "".join(c.get("text") or "" for c in chunk.get("choices", []))
+                now = time.monotonic()
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                    if first_token is not None:
+                        first_token.set()
+                    if release is not None:
+                        await release.wait()
+                        result.ok = True
+                        return
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+                result.text += text
+                result.num_tokens += 1
+            result.error = "stream ended without [DONE]"
+
+    try:
+        await asyncio.wait_for(run(), timeout_s)
+    except asyncio.TimeoutError:
+        result.error = f"no end within {timeout_s} s"
+    except httpx.HTTPError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:160]
+    if first_token is not None:
+        first_token.set()   # a failed stream must not keep the holder waiting
+    return result
+
+
+def client_for(http: str, num_connections: int) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=num_connections, max_keepalive_connections=num_connections)
+    return httpx.AsyncClient(base_url=http, timeout=httpx.Timeout(None, connect=60), limits=limits)
+
+
+def failures(results: list[Result]) -> dict[str, int]:
+    why: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            why[r.error[:80]] = why.get(r.error[:80], 0) + 1
+    return why
+
+
+# -- the phases ------------------------------------------------------------------------------
+
+async def phase_latency(http: str, model: str, router_pid: int, args: argparse.Namespace) -> dict:
+    results: list[Result] = []
+    queue = list(range(args.requests))
+    async with client_for(http, args.concurrency + 8) as client:
+        async def loop() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await stream(client, model, prompt_ids(i), args.max_tokens, args.timeout_s))
+        cpu0, t0 = cpu_s(router_pid), time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(args.concurrency)))
+        cpu1, wall = cpu_s(router_pid), time.monotonic() - t0
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    itl = [x for r in results for x in r.itl_s]
+    num_tokens = sum(r.num_tokens for r in results)
+    return {"requests": len(results), "failed": sum(not r.ok for r in results), "failures": failures(results),
+            "wall_s": wall, "ttft_p50_ms": pct(ttft, 0.5) * 1e3, "ttft_p99_ms": pct(ttft, 0.99) * 1e3,
+            "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3, "tokens": num_tokens,
+            "router_cpu_s": cpu1 - cpu0, "cpu_ms_per_request": (cpu1 - cpu0) * 1e3 / max(1, len(results)),
+            "cpu_us_per_token": (cpu1 - cpu0) * 1e6 / max(1, num_tokens)}
+
+
+async def phase_ramp(http: str, model: str, router_pid: int, args: argparse.Namespace) -> dict:
+    steps, best = [], 0.0
+    async with client_for(http, args.ramp_max_inflight) as client:
+        for rate in args.ramp_rates:
+            tasks: list[asyncio.Task] = []
+            cpu0, t0 = cpu_s(router_pid), time.monotonic()
+            n = int(rate * args.ramp_step_s)
+            for i in range(n):
+                delay = t0 + i / rate - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                if sum(not t.done() for t in tasks) >= args.ramp_max_inflight:
+                    break     # the router cannot keep up: stop offering
+                tasks.append(asyncio.create_task(
+                    stream(client, model, prompt_ids(i), args.ramp_max_tokens, args.timeout_s)))
+            results = list(await asyncio.gather(*tasks))
+            wall, cpu1 = time.monotonic() - t0, cpu_s(router_pid)
+            ok = [r for r in results if r.ok]
+            ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+            done_rate = len(ok) / wall
+            step = {"offered_rps": rate, "sent": len(results), "completed_rps": done_rate,
+                    "failed": len(results) - len(ok), "ttft_p50_ms": pct(ttft, 0.5) * 1e3,
+                    "ttft_p99_ms": pct(ttft, 0.99) * 1e3, "router_cpu_frac": (cpu1 - cpu0) / wall}
+            passed = (step["failed"] == 0 and len(results) == n and pct(ttft, 0.5) <= args.ramp_ttft_limit_s
+                      and done_rate >= 0.9 * rate)
+            steps.append({**step, "passed": passed})
+            print(f"  ramp {rate} req/s: {json.dumps(step)} {'ok' if passed else 'STOP'}", flush=True)
+            if not passed:
+                break
+            best = done_rate
+    return {"max_rps": best, "steps": steps}
+
+
+async def phase_hold(http: str, model: str, router_pid: int, k: int, args: argparse.Namespace) -> dict:
+    idle = rss_mib(router_pid)["anon"]
+    release = asyncio.Event()
+    events = [asyncio.Event() for _ in range(k)]
+    async with client_for(http, k + 8) as client:
+        t0 = time.monotonic()
+        tasks = [asyncio.create_task(stream(client, model, prompt_ids(i), args.hold_max_tokens, args.timeout_s,
+                                            events[i], release)) for i in range(k)]
+        try:
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), args.hold_timeout_s)
+        except asyncio.TimeoutError:
+            pass
+        open_s = time.monotonic() - t0
+        held = rss_mib(router_pid)["anon"]
+        set_at_rss = [e.is_set() for e in events]   # set on the first token, or on a failure
+        release.set()
+        results = list(await asyncio.gather(*tasks))
+    failed = sum(not r.ok for r in results)
+    had_token = sum(was_set and r.ttft_s is not None for was_set, r in zip(set_at_rss, results))
+    return {"k": k, "open_at_rss": had_token, "failed": failed, "failures": failures(results),
+            "open_s": open_s, "idle_rss_mib": idle,
+            "held_rss_mib": held, "kib_per_stream": (held - idle) * 1024 / k}
+
+
+def tandem(dep: Deployment, *argv: str, timeout_s: float = 900) -> tuple[float, str]:
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", *argv, "--address", dep.ray_address],
+                          capture_output=True, text=True, timeout=timeout_s, cwd=REPO_ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"tandem {' '.join(argv)} failed: {done.stderr[-800:]}")
+    return time.monotonic() - t0, done.stdout
+
+
+async def load_until(http: str, model: str, num_loops: int, stop: asyncio.Event, args: argparse.Namespace,
+                     results: list[Result]) -> None:
+    async with client_for(http, num_loops + 8) as client:
+        async def loop(j: int) -> None:
+            i = j
+            while not stop.is_set():
+                results.append(await stream(client, model, prompt_ids(i), args.scale_max_tokens, args.timeout_s))
+                i += num_loops
+        await asyncio.gather(*(loop(j) for j in range(num_loops)))
+
+
+async def phase_scale(http: str, model: str, dep: Deployment, args: argparse.Namespace) -> dict:
+    results: list[Result] = []
+    stop = asyncio.Event()
+    load = asyncio.create_task(load_until(http, model, args.scale_streams, stop, args, results))
+    changes = []
+    try:
+        await asyncio.sleep(args.scale_warm_s)
+        status_s, _ = await asyncio.to_thread(tandem, dep, "status", "--json")
+        for count in args.scale[1:]:
+            took, _ = await asyncio.to_thread(tandem, dep, "scale", "decode", str(count))
+            changes.append({"to": count, "s": took, "in_flight_done": len(results)})
+            print(f"  scale decode -> {count}: {took:.1f} s", flush=True)
+    finally:
+        stop.set()
+        await asyncio.wait_for(load, args.timeout_s + 30)
+    return {"changes": changes, "status_s": status_s, "requests": len(results),
+            "failed": sum(not r.ok for r in results), "failures": failures(results)}
+
+
+async def phase_kills(http: str, model: str, dep: Deployment, args: argparse.Namespace) -> dict:
+    finished = [0]
+
+    async def counted(client: httpx.AsyncClient, i: int) -> Result:
+        result = await stream(client, model, prompt_ids(i), args.kill_max_tokens, args.timeout_s)
+        finished[0] += 1
+        return result
+
+    async def run_all() -> list[Result]:
+        async with client_for(http, args.kill_streams + 8) as client:
+            return list(await asyncio.gather(*(counted(client, i) for i in range(args.kill_streams))))
+
+    reference = await run_all()
+    finished[0] = 0
+    if not all(r.ok for r in reference):
+        return {"error": f"the undisturbed reference failed: {failures(reference)}"}
+    rng = random.Random(args.seed)
+    kills: list[str] = []
+
+    async def killer() -> None:
+        for _ in range(args.kills):
+            await asyncio.sleep(args.kill_every_s)
+            status = await asyncio.to_thread(dep.status)
+            running = [w for w in status["workers"] if w["state"] == "running" and w["pid"]]
+            if running:
+                victim = rng.choice(running)
+                try:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                    # A kill after every stream ended tests nothing: say how many were in flight.
+                    kills.append(f"{victim['id']} ({args.kill_streams - finished[0]} in flight)")
+                except ProcessLookupError:
+                    kills.append(f"{victim['id']} already gone")
+
+    results, _ = await asyncio.gather(run_all(), killer())
+    differing = sum(r.ok and r.text != ref.text for r, ref in zip(results, reference))
+    return {"streams": len(results), "kills": kills, "failed": sum(not r.ok for r in results),
+            "failures": failures(results), "differing": differing}
+
+
+# -- main ------------------------------------------------------------------------------------
+
+def ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    p.add_argument("--prefill", type=int, default=2)
+    p.add_argument("--decode", type=int, default=8)
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--ramp-rates", type=ints, default=[50, 100, 200, 400, 800, 1600])
+    p.add_argument("--ramp-step-s", type=float, default=10.0)
+    p.add_argument("--ramp-max-tokens", type=int, default=8)
+    p.add_argument("--ramp-max-inflight", type=int, default=4000)
+    p.add_argument("--ramp-ttft-limit-s", type=float, default=1.0)
+    p.add_argument("--streams", type=ints, default=[1000, 5000])
+    p.add_argument("--hold-max-tokens", type=int, default=4000)
+    p.add_argument("--hold-timeout-s", type=float, default=300.0)
+    p.add_argument("--scale", type=ints, default=[8, 32, 8], help="decode counts; the first is --decode's")
+    p.add_argument("--scale-streams", type=int, default=2000)
+    p.add_argument("--scale-max-tokens", type=int, default=256)
+    p.add_argument("--scale-warm-s", type=float, default=10.0)
+    p.add_argument("--kills", type=int, default=0)
+    p.add_argument("--kill-streams", type=int, default=500)
+    p.add_argument("--kill-max-tokens", type=int, default=1024)
+    p.add_argument("--kill-every-s", type=float, default=0.5)
+    p.add_argument("--timeout-s", type=float, default=600.0, help="the longest one stream may take")
+    p.add_argument("--skip", default="", help="phases to skip, comma-separated: latency,ramp,hold,scale")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the results here")
+    p.add_argument("extra", nargs="*", help="after --: extra `tandem serve` flags")
+    args = p.parse_args()
+    if args.scale and args.scale[0] != args.decode:
+        p.error(f"--scale starts at {args.scale[0]} but --decode is {args.decode}: make them equal")
+    return args
+
+
+async def run_phases(dep: Deployment, args: argparse.Namespace) -> dict:
+    router_pid = dep.status()["router"]["pid"]
+    async with httpx.AsyncClient(base_url=dep.http, timeout=60) as c:
+        model = (await c.get("/v1/models")).json()["data"][0]["id"]
+    skip = set(args.skip.split(","))
+    out: dict = {}
+    if "latency" not in skip:
+        out["latency"] = await phase_latency(dep.http, model, router_pid, args)
+        print(f"latency: {json.dumps(out['latency'])}", flush=True)
+    if "ramp" not in skip:
+        out["ramp"] = await phase_ramp(dep.http, model, router_pid, args)
+    if "hold" not in skip:
+        out["hold"] = []
+        for k in args.streams:
+            out["hold"].append(await phase_hold(dep.http, model, router_pid, k, args))
+            print(f"hold: {json.dumps(out['hold'][-1])}", flush=True)
+    if "scale" not in skip and len(args.scale) > 1:
+        out["scale"] = await phase_scale(dep.http, model, dep, args)
+        print(f"scale: {json.dumps(out['scale'])}", flush=True)
+    if args.kills:
+        out["kills"] = await phase_kills(dep.http, model, dep, args)
+        print(f"kills: {json.dumps(out['kills'])}", flush=True)
+    out["router_rss_end_mib"] = rss_mib(router_pid)
+    return out
+
+
+def print_table(out: dict, args: argparse.Namespace) -> None:
+    rows: list[tuple[str, str]] = [("deployment", f"{args.prefill} prefill + {args.decode} decode, "
+                                                  f"profile {Path(args.profile).name}")]
+    if lat := out.get("latency"):
+        rows += [(f"TTFT p50 / p99 ({lat['requests']} streams, {args.concurrency} at once, {args.max_tokens} tok)",
+                  f"{lat['ttft_p50_ms']:.1f} / {lat['ttft_p99_ms']:.1f} ms"),
+                 ("ITL p50 / p99", f"{lat['itl_p50_ms']:.2f} / {lat['itl_p99_ms']:.2f} ms"),
+                 ("router CPU per request / per streamed token",
+                  f"{lat['cpu_ms_per_request']:.2f} ms / {lat['cpu_us_per_token']:.1f} us"),
+                 ("latency phase failed", str(lat["failed"]))]
+    if ramp := out.get("ramp"):
+        last = ramp["steps"][-1] if ramp["steps"] else {}
+        rows += [(f"max streamed req/s ({args.ramp_max_tokens} tok, passed step)", f"{ramp['max_rps']:.0f}"),
+                 ("last ramp step (passed)" if last.get("passed") else "ramp stopped at",
+                  f"{last.get('offered_rps')} req/s offered: {last.get('completed_rps', 0):.0f} "
+                                     f"done/s, {last.get('failed')} failed, TTFT p50 "
+                                     f"{last.get('ttft_p50_ms', 0):.0f} ms")]
+    for h in out.get("hold", []):
+        rows.append((f"{h['k']} open streams: router RSS, per stream, failed",
+                     f"{h['idle_rss_mib']:.0f} -> {h['held_rss_mib']:.0f} MiB, {h['kib_per_stream']:.1f} KiB, "
+                     f"{h['failed']} ({h['open_at_rss']} had a token when RSS was read, {h['open_s']:.1f} s)"))
+    if sc := out.get("scale"):
+        steps = " -> ".join([str(args.scale[0])] + [f"{c['to']} ({c['s']:.1f} s)" for c in sc["changes"]])
+        rows += [(f"scale decode under {args.scale_streams} streams", steps),
+                 ("`tandem status --json` under that load", f"{sc['status_s']:.2f} s"),
+                 ("scale phase streams / failed", f"{sc['requests']} / {sc['failed']}")]
+    if k := out.get("kills"):
+        rows.append((f"--kills {args.kills} under {args.kill_streams} streams",
+                     k.get("error") or f"{k['failed']} failed, {k['differing']} differing; killed {k['kills']}"))
+    width = max(len(r[0]) for r in rows)
+    print()
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    for phase in ("latency", "scale", "kills"):
+        if out.get(phase, {}).get("failures"):
+            print(f"{phase} failures by cause: {out[phase]['failures']}")
+    for h in out.get("hold", []):
+        if h["failures"]:
+            print(f"hold {h['k']} failures by cause: {h['failures']}")
+
+
+def main() -> int:
+    args = parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # `timeout` or a kill sends SIGTERM: leave through the finally below, which stops the deployment.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    flags = ["--engine", "sim", "--sim-profile", args.profile, "--prefill", str(args.prefill),
+             "--decode", str(args.decode), *args.extra]
+    log = Path(tempfile.mkdtemp(prefix="tandem-scale-sim-")) / "serve.log"
+    print(f"tandem serve {' '.join(flags)} (log: {log})", flush=True)
+    dep = Deployment(log, flags, {})
+    try:
+        dep.wait_ready(600)
+        out = asyncio.run(run_phases(dep, args))
+    finally:
+        dep.stop()
+    print_table(out, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    bad = (out.get("latency", {}).get("failed") or any(h["failed"] for h in out.get("hold", []))
+           or out.get("scale", {}).get("failed") or out.get("kills", {}).get("failed")
+           or out.get("kills", {}).get("differing") or out.get("kills", {}).get("error"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
