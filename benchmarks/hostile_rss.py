@@ -44,7 +44,7 @@ def http_cases() -> list[tuple[str, str, bytes]]:
         ("20k tools", chat, json.dumps({"messages": HI, "tools": tools, "max_tokens": 1}).encode()),
         ("100k empty messages", chat, json.dumps(
             {"messages": [{"role": "user", "content": ""}] * 100_000, "max_tokens": 1}).encode()),
-        ("3M one-token prompts (12 MB)", c, json.dumps({"prompt": ["a"] * 3_000_000, "max_tokens": 1}).encode()),
+        ("3M one-token prompts (15 MB)", c, json.dumps({"prompt": ["a"] * 3_000_000, "max_tokens": 1}).encode()),
         ("3M prompt token ids", c, json.dumps({"prompt": [1] * 3_000_000, "max_tokens": 1}).encode()),
         ("field nested 700 deep", c, b'{"prompt": "hi", "max_tokens": 1, "metadata": '
          + b"[" * 700 + b"]" * 700 + b"}"),
