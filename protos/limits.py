@@ -17,3 +17,8 @@ MAX_CLIENT_REQUEST_ID_CHARS = 200
 # Starts the SDK (router/client.py) puts in one Multiplex message; a router takes at least this
 # many in one message (max(max_waiting, this), router/grpc_api.py).
 MULTIPLEX_STARTS_PER_MESSAGE = 64
+# Initial metadata a router sends first on every Multiplex stream; the SDK writes nothing before it
+# has seen it. A server that refuses the stream (no Multiplex: an older router; a bad API key)
+# answers with its status alone, which the SDK then reads as sent: had it written first, grpc aio
+# could report that status as INTERNAL "Internal error from Core" (grpc/grpc#36066).
+MULTIPLEX_READY = ("tandem-multiplex", "1")

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 
-from protos.limits import MAX_MESSAGE_BYTES, MULTIPLEX_STARTS_PER_MESSAGE
+from protos.limits import MAX_MESSAGE_BYTES, MULTIPLEX_READY, MULTIPLEX_STARTS_PER_MESSAGE
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router.session import PendingMessages, SessionStream, refusal
 
@@ -240,6 +240,11 @@ class _Multiplex(SessionStream):
 
     def _new_call(self):
         return self._stub.Multiplex(metadata=self._metadata)
+
+    async def _ready(self, call) -> bool:
+        """The router's MULTIPLEX_READY first; a server that refuses the stream sends its status
+        alone, and writing nothing lets that status through as sent (not INTERNAL, grpc/grpc#36066)."""
+        return MULTIPLEX_READY in tuple(await call.initial_metadata() or ())
 
     def _message(self, starts, aborts):
         return tandem_pb2.MultiplexRequest(start=starts, cancel=aborts)

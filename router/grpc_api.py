@@ -43,7 +43,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from protos.auth import check as check_secret
-from protos.limits import MULTIPLEX_STARTS_PER_MESSAGE
+from protos.limits import MULTIPLEX_READY, MULTIPLEX_STARTS_PER_MESSAGE
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router import errors
 from router.cluster import cluster_view
@@ -170,6 +170,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
     Chat = _stream
 
     async def Multiplex(self, request_iterator, context):
+        await context.send_initial_metadata((MULTIPLEX_READY,))   # the SDK writes after this
         mux = Multiplexed(self)
         try:
             async for response in mux.serve(request_iterator):

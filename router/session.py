@@ -104,6 +104,10 @@ class SessionStream:
     def _fail(self, target: Any, error: grpc.aio.AioRpcError) -> None:
         raise NotImplementedError
 
+    async def _ready(self, call: Any) -> bool:
+        """Whether to write on ``call``: it waits, where the peer says it is ready, for that."""
+        return True
+
     def _start(self, request_id: Any, request: Any, target: Any) -> bool:
         """Queue ``request``; False (``target`` already failed) when the session is closed."""
         if self._closed:
@@ -160,6 +164,8 @@ class SessionStream:
         abort of a turn and runs in the next, before work that turn scheduled after it."""
         loop = asyncio.get_running_loop()
         try:
+            if not await self._ready(call):
+                return              # the reader sees how the stream ended
             while self._call is call:
                 if not self._starts and not self._aborts:
                     waiter = self._writer_idle = loop.create_future()

@@ -221,3 +221,44 @@ def test_the_sdk_makes_a_call_per_request_on_a_server_without_multiplex():
         server.stop(None)
     assert [len(o.token_ids) for o in outs] == [3, 3, 3] and len(after.token_ids) == 2
     assert multiplex is None and len(stub.requests) == 4
+
+
+def test_the_sdk_writes_nothing_before_the_router_says_the_stream_is_ready():
+    """A write racing a server's refusal could turn its status into INTERNAL "Internal error from
+    Core" (grpc/grpc#36066: ~5% of calls to a server without Multiplex under load); so the SDK
+    writes only once it has the router's MULTIPLEX_READY. Fails when the SDK writes at once."""
+    from protos.limits import MULTIPLEX_READY
+    seen: dict[str, float] = {}
+
+    class SlowToAnswer(tandem_pb2_grpc.TandemServicer):
+        async def Multiplex(self, request_iterator, context):
+            loop = asyncio.get_running_loop()
+            first = loop.create_future()
+
+            async def read():
+                async for message in request_iterator:
+                    if not first.done():
+                        seen["first_message"] = loop.time()
+                        first.set_result(message)
+            reader = loop.create_task(read())
+            await asyncio.sleep(0.3)
+            seen["ready"] = loop.time()
+            await context.send_initial_metadata((MULTIPLEX_READY,))
+            message = await first
+            yield tandem_pb2.MultiplexResponse(events=[tandem_pb2.MultiplexEvent(
+                key=message.start[0].key, chunk=tandem_pb2.CompletionChunk(text="t", finish_reason="length"))])
+            reader.cancel()
+
+    async def main():
+        server = grpc.aio.server()
+        tandem_pb2_grpc.add_TandemServicer_to_server(SlowToAnswer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with AsyncTandemClient(f"127.0.0.1:{port}") as client:
+                return await asyncio.wait_for(client.generate("x", max_tokens=1), 10)
+        finally:
+            await server.stop(None)
+    out = asyncio.run(main())
+    assert out.text == "t" and out.finish_reason == "length"
+    assert seen["first_message"] > seen["ready"]
