@@ -200,6 +200,11 @@ class Dispatcher:
                     self._end(attempt)
                 avoid |= self._suspects(attempt)
                 await self._diagnose(attempt)
+                if attempt.lost is None:
+                    # A killed worker breaks the stream before the registry knows; the probe
+                    # just now removed it: the worker's fault, never a poison request's.
+                    attempt.lost = next((w.address for w in (attempt.decode, attempt.prefill)
+                                         if w is not None and w.removed), None)
                 if attempt.lost is None and not transient:
                     reason = self._reason(failure, attempt, request_id)
                     if reason in failures:

@@ -421,3 +421,24 @@ def test_a_submit_never_answered_times_out_and_the_request_fails_instead_of_hang
             await prefill.stop()
             await decode.stop()
     loop_thread.run(main(), 60)
+
+
+def test_two_decode_workers_killed_in_turn_under_one_stream_are_not_a_poison_request(loop_thread, tokenizer):
+    """A killed decode worker breaks the stream (UNAVAILABLE) before the registry knows it is
+    gone; the probe after the break removes it. Two such kills in a row fail the same way, and
+    that is the workers' fault, not the request's: the stream completes on the third worker."""
+    async def body(cluster):
+        prompt = [21, 22, 23]
+        tokens: list[int] = []
+        killed = []
+        async with AsyncTandemClient(cluster.router.grpc_address) as client:
+            async for chunk in client.generate_stream(prompt, max_tokens=60, temperature=0):
+                tokens += chunk.token_ids
+                if len(tokens) >= 5 * (len(killed) + 1) and len(killed) < 2:
+                    serving = [d for d in cluster.decodes if d.server is not None and d.state.active]
+                    assert len(serving) == 1
+                    killed.append(serving[0].address)
+                    await serving[0].stop()
+        assert len(killed) == 2
+        assert tokens == fake_completion(prompt, 60)
+    run(loop_thread, tokenizer, body, num_decode=3, decode_options={"token_interval_s": 0.02})
