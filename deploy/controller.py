@@ -396,7 +396,12 @@ class Controller:
             **HOST_OPTIONS, num_cpus=spec.router_cpus, name=None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
             if node_id else "DEFAULT").remote("router")
-        argv = [sys.executable, "-m", "router", "--model", spec.model, *spec.router_flags]
+        # A restarted router starts with the running replicas (it polls them before it opens its
+        # ports); _sync_router registers what this misses (draining ones, then drains them).
+        with self._lock:
+            running = [(r.role, r.address) for r in self.replicas if r.state == "running" and r.address]
+        argv = [sys.executable, "-m", "router", "--model", spec.model, *spec.router_flags,
+                *(arg for role, address in running for arg in (f"--{role}", address))]
         env = {**({"TANDEM_API_KEY": spec.api_key} if spec.api_key else {}), **spec.secret_env()}
         pid = ray.get(host.start.remote(argv, ROUTER_READY_PREFIX, env))
         deadline = time.monotonic() + 120

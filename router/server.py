@@ -73,6 +73,9 @@ class Router:
         for role, addresses in (("prefill", c.prefill), ("decode", c.decode)):
             for address in addresses:
                 self.registry.add(role, address)
+        # The workers it starts with answer (or miss) one heartbeat before the ports open: a
+        # router restarted over running workers serves its first request instead of a 503.
+        await asyncio.gather(*(self.registry.poll(w) for w in self.registry.all()))
         self.registry.start()
         self._started = True
         await self._start_grpc()

@@ -442,3 +442,25 @@ def test_two_decode_workers_killed_in_turn_under_one_stream_are_not_a_poison_req
         assert len(killed) == 2
         assert tokens == fake_completion(prompt, 60)
     run(loop_thread, tokenizer, body, num_decode=3, decode_options={"token_interval_s": 0.02})
+
+
+def test_a_router_started_over_running_workers_serves_its_first_request(loop_thread, tokenizer):
+    """A restarted router is given the running workers (deploy/controller.py); it hears from
+    each once before its ports open, so the first request is served, not refused with "no
+    decode worker is available" while the first heartbeat is on its way (a slow Stats here)."""
+    async def main():
+        prefill = await FakeWorker("prefill").start()
+        decode = await FakeWorker("decode").start()
+        decode.servicer.stats_delay_s = 0.5
+        router = await Router(RouterConfig(model=MODEL, http_port=-1, grpc_port=0, prefill=(prefill.address,),
+                                           decode=(decode.address,), heartbeat_interval_s=0.2,
+                                           heartbeat_timeout_s=2.0), tokenizer).start()
+        try:
+            async with AsyncTandemClient(router.grpc_address) as client:
+                return await client.generate([4, 5, 6], max_tokens=3)
+        finally:
+            await router.stop()
+            await prefill.stop()
+            await decode.stop()
+    out = loop_thread.run(main(), 30)
+    assert out.token_ids == fake_completion([4, 5, 6], 3)
