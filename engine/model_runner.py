@@ -32,10 +32,10 @@ from engine.config import (
 from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVPool, KVPoolShape, capacity_lines
 from engine.loader import Checkpoint, resolve_model
-from engine.models import quant_linear
+from engine.models import llama, moe, quant_linear
 from engine.models.arch import ArchConfig
 from engine.models.layers import RotaryEmbedding, TensorParallel, can_pack_linear
-from engine.models.llama import MODEL_CLASSES, LlamaForCausalLM, check_tensor_parallel
+from engine.models.llama import LlamaForCausalLM, check_tensor_parallel
 from engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class ModelRunner:
 
     def _load_model(self, checkpoint: Checkpoint, backend: ModuleType, tp: TensorParallel,
                     gguf_kernels: str = "auto") -> LlamaForCausalLM:
-        cls = MODEL_CLASSES[self.arch.architecture]
+        cls = {**llama.MODEL_CLASSES, **moe.MODEL_CLASSES}[self.arch.architecture]
         max_positions = max(self.max_model_len, self.arch.max_position_embeddings)
         rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope_theta,
                                  self.arch.rope_scaling, self.device, checkpoint.rope_freq_factors())

@@ -1,4 +1,5 @@
-"""Architecture hyper-parameters of a Llama-family model, read from HF config.json or GGUF.
+"""Architecture hyper-parameters of a Llama-family model (dense, or mixture-of-experts MLPs
+beside Llama attention), read from HF config.json or GGUF.
 
 Runs wherever a model is loaded or planned (workers, `tandem plan`). Pure Python.
 """
@@ -9,11 +10,51 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                           "Qwen3ForCausalLM")
+                           "Qwen3ForCausalLM", *MOE_ARCHITECTURES)
 _GGUF_ARCHES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "llama3")
+_QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
+_ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts model: ``num_experts`` gated-SiLU experts of
+    ``intermediate_size`` each, ``top_k`` of them per token, and optionally one shared expert
+    every token goes through (Qwen2-MoE), scaled by a sigmoid gate."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    # Softmax over all experts, then top-k; True divides the k weights by their sum, which is
+    # a softmax over the top-k logits (Mixtral always; Qwen with norm_topk_prob).
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    dense_layers: tuple[int, ...] = ()   # layers whose MLP is dense (Qwen's mlp_only_layers / sparse step)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the "
+                             f"{self.num_experts} experts")
+        if self.intermediate_size <= 0 or self.shared_intermediate_size < 0:
+            raise ValueError(f"expert intermediate sizes must be positive (moe_intermediate_size="
+                             f"{self.intermediate_size}, shared_expert_intermediate_size="
+                             f"{self.shared_intermediate_size})")
+
+    def is_sparse(self, layer: int) -> bool:
+        return layer not in self.dense_layers
+
+    def layer_params(self, hidden: int, active: bool = False) -> int:
+        """Parameters of one sparse MLP (router, experts, shared expert and its gate); ``active``
+        counts only the ``top_k`` experts a token runs through."""
+        experts = self.top_k if active else self.num_experts
+        params = experts * 3 * hidden * self.intermediate_size + self.num_experts * hidden
+        if self.shared_intermediate_size:
+            params += 3 * hidden * self.shared_intermediate_size + hidden
+        return params
 
 
 @dataclass(frozen=True)
@@ -36,6 +77,7 @@ class ArchConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, compare=False)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None          # None = every layer has a dense gated MLP
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -48,22 +90,41 @@ class ArchConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads={self.num_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_kv_heads}")
+        if (self.moe is None) == (self.architecture in MOE_ARCHITECTURES):
+            raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'takes no'} "
+                             "mixture-of-experts settings")
+        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.dense_layers):
+            raise ValueError(f"mlp_only_layers {list(self.moe.dense_layers)} name layers outside "
+                             f"0..{self.num_layers - 1}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported; use one of {_ROPE_TYPES}")
 
     @property
     def num_params(self) -> int:
-        """Parameter count (embeddings counted once when tied)."""
-        d, f, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        """Parameter count, every expert included (embeddings counted once when tied)."""
+        return self._count_params(active=False)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token runs through: ``num_params`` less the experts it is not routed to."""
+        return self._count_params(active=True)
+
+    def _count_params(self, active: bool) -> int:
+        d, hd = self.hidden_size, self.head_dim
         attn = d * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         if self.attention_bias:
             attn += hd * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * hd
-        layer = attn + 3 * d * f + 2 * d
+        mlps = sum(self.mlp_params(i, active) for i in range(self.num_layers))
         emb = self.vocab_size * d * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + d
+        return self.num_layers * (attn + 2 * d) + mlps + emb + d
+
+    def mlp_params(self, layer: int, active: bool = False) -> int:
+        if self.moe is not None and self.moe.is_sparse(layer):
+            return self.moe.layer_params(self.hidden_size, active)
+        return 3 * self.hidden_size * self.intermediate_size
 
     def kv_bytes_per_token(self, itemsize: int) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
@@ -109,15 +170,36 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         rope_theta=theta,
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in _QKV_BIAS))),
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         # Mistral always windows when the config names a window; Qwen only with use_sliding_window.
-        sliding_window=(cfg.get("sliding_window") if arch == "MistralForCausalLM" or cfg.get("use_sliding_window")
+        sliding_window=(cfg.get("sliding_window") if arch in _ALWAYS_WINDOWED or cfg.get("use_sliding_window")
                         else None),
         rope_scaling=scaling,
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
+        moe=_moe_from_hf(arch, cfg),
     )
+
+
+def _moe_from_hf(arch: str, cfg: dict[str, Any]) -> MoEConfig | None:
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    num_layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":
+        return MoEConfig(num_experts=int(cfg["num_local_experts"]), top_k=int(cfg["num_experts_per_tok"]),
+                         intermediate_size=int(cfg["intermediate_size"]), norm_topk_prob=True)
+    # Qwen: transformers >= 5 writes num_local_experts, the published configs num_experts. A
+    # layer is sparse unless listed in mlp_only_layers or off the decoder_sparse_step grid.
+    step = int(cfg.get("decoder_sparse_step", 1))
+    mlp_only = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    dense = tuple(i for i in range(num_layers) if i in mlp_only or step <= 0 or (i + 1) % step)
+    return MoEConfig(num_experts=int(cfg.get("num_experts") or cfg["num_local_experts"]),
+                     top_k=int(cfg["num_experts_per_tok"]),
+                     intermediate_size=int(cfg["moe_intermediate_size"]),
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+                     dense_layers=dense)
 
 
 def load_hf_config(model_dir: Path) -> dict[str, Any]:

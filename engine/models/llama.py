@@ -38,16 +38,25 @@ _ROW_PARALLEL = ("o_proj", "down_proj")                                     # in
 
 def check_tensor_parallel(cfg: ArchConfig, tensor_parallel_size: int) -> None:
     """ValueError naming the sizes that would work when ``tensor_parallel_size`` cannot split
-    the model's heads (each rank holds whole attention and KV heads) or its MLP."""
+    the model's heads (each rank holds whole attention and KV heads) or its MLPs (dense,
+    experts, shared expert)."""
     tp = tensor_parallel_size
-    if not (cfg.num_kv_heads % tp or cfg.num_heads % tp or cfg.intermediate_size % tp):
+    # Every split dimension: heads, and the intermediate features of each MLP the model has.
+    mlps = {}
+    if cfg.moe is None or cfg.moe.dense_layers:
+        mlps["intermediate_size"] = cfg.intermediate_size
+    if cfg.moe is not None:
+        mlps["moe_intermediate_size"] = cfg.moe.intermediate_size
+        if cfg.moe.shared_intermediate_size:
+            mlps["shared_expert_intermediate_size"] = cfg.moe.shared_intermediate_size
+    sizes = [cfg.num_kv_heads, cfg.num_heads, *mlps.values()]
+    if not any(n % tp for n in sizes):
         return
-    valid = [d for d in range(1, cfg.num_kv_heads + 1)
-             if cfg.num_kv_heads % d == 0 and cfg.num_heads % d == 0 and cfg.intermediate_size % d == 0]
+    valid = [d for d in range(1, cfg.num_kv_heads + 1) if not any(n % d for n in sizes)]
     choices = ", ".join(map(str, valid[:-1])) + (" or " if len(valid) > 1 else "") + str(valid[-1])
+    named = ", ".join(f"{name} {n}" for name, n in mlps.items())
     raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {cfg.num_kv_heads} KV heads "
-                     f"(and {cfg.num_heads} attention heads, intermediate_size {cfg.intermediate_size}); "
-                     f"use --tensor-parallel-size {choices}")
+                     f"(and {cfg.num_heads} attention heads, {named}); use --tensor-parallel-size {choices}")
 
 
 def shard_weight(name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -152,7 +161,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)
+        self.mlp: nn.Module = GatedMLP(cfg.hidden_size, cfg.intermediate_size, tp)   # MoE models swap in theirs
 
     def forward(self, rope, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` is the previous layer's MLP output not yet added to ``residual`` (None for the
@@ -260,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"layers.{i}."
             attach(layer.self_attn.qkv_proj, [f"{prefix}self_attn.{p}_proj.weight" for p in "qkv"])
             attach(layer.self_attn.o_proj, [f"{prefix}self_attn.o_proj.weight"])
+            assert isinstance(layer.mlp, GatedMLP)
             attach(layer.mlp.gate_up_proj, [f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"])
             attach(layer.mlp.down_proj, [f"{prefix}mlp.down_proj.weight"])
         attach(self.packed_head, ["embed_tokens.weight" if self.lm_head is None else "lm_head.weight"])

@@ -28,7 +28,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 
 # name -> (transformers config class, model class, config overrides)
-TINY_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+_DENSE_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": True}),
     "llama3_rope": ("LlamaConfig", "LlamaForCausalLM",
@@ -37,7 +37,27 @@ TINY_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),    # q/k/v bias
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False}),   # q/k norm
 }
-TINY_ARCHS = tuple(TINY_SPECS)
+TINY_ARCHS = tuple(_DENSE_SPECS)
+# Mixture-of-experts: 2 layers of 4-8 experts of 32 features (TP=2 splits each in half).
+_MOE = {"moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2}
+TINY_MOE_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # Qwen3-30B-A3B's routing: every layer sparse, top-k renormalised.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"tie_word_embeddings": False, **_MOE, "norm_topk_prob": True}),
+    # Raw softmax weights; layer 0 keeps a dense MLP (decoder_sparse_step=2).
+    "qwen3_moe_step2": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                        {"tie_word_embeddings": True, **_MOE, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                         "decoder_sparse_step": 2}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"tie_word_embeddings": False, "intermediate_size": 32, "num_local_experts": 4,
+                 "num_experts_per_tok": 2, "sliding_window": None}),
+    # A shared expert beside the routed ones; layer 1 dense through mlp_only_layers.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"tie_word_embeddings": False, **_MOE, "num_experts_per_tok": 3, "norm_topk_prob": False,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [1]}),
+}
+TINY_MOE_ARCHS = tuple(TINY_MOE_SPECS)
+TINY_SPECS = {**_DENSE_SPECS, **TINY_MOE_SPECS}
 
 SMOLLM2 = "smollm2-135m-instruct"
 
