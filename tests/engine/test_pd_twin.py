@@ -21,11 +21,12 @@ from prefill_worker.worker import Destination, PrefillJob, PrefillLoop
 
 @pytest.fixture
 def pair(tiny_model_dir):
-    model_dir = str(tiny_model_dir("llama"))
     made = []
 
     def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128,
-             device: str = "cpu"):
+             device: str = "cpu", model: str = "llama"):
+        model_dir = str(tiny_model_dir(model))
+
         def engine(keep: bool, blocks: int) -> LLMEngine:
             e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device=device, max_model_len=max_model_len),
                           CacheConfig(block_size=4, num_gpu_blocks_override=blocks),
@@ -86,8 +87,8 @@ def _tokens(events: queue.SimpleQueue) -> list[int]:
             return tokens
 
 
-def _colocated(make_llm, tiny_model_dir, prompts, params, device: str = "cpu"):
-    llm = make_llm(tiny_model_dir("llama"), block_size=4, max_model_len=128, device=device)
+def _colocated(make_llm, tiny_model_dir, prompts, params, device: str = "cpu", model: str = "llama"):
+    llm = make_llm(tiny_model_dir(model), block_size=4, max_model_len=128, device=device)
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
@@ -98,6 +99,19 @@ def test_pd_twin_matches_colocated_greedy_and_seeded(pair, make_llm, tiny_model_
     prefill, decode = pair(chunked_prefill_size=16)  # the 40- and 64-token prompts take several chunks
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
     # Everything returns: the prefill worker's blocks sit in its prefix cache, the decode pool is empty.
+    assert prefill.engine.allocator.num_used_blocks == 0
+    assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
+def test_pd_twin_of_a_mixture_of_experts_model_matches_colocated(pair, make_llm, tiny_model_dir, model):
+    # Attention, its KV layout and the transfer are the dense model's; the experts run on each side.
+    prompts = [[(5 * i + 11 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([3, 17, 40, 9])]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + \
+             [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)]
+    prefill, decode = pair(chunked_prefill_size=16, model=model)
+    assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params,
+                                                                model=model)
     assert prefill.engine.allocator.num_used_blocks == 0
     assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
 

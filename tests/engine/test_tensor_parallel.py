@@ -43,7 +43,8 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+# qwen3_moe: every expert split in half; qwen2_moe: its shared expert too, and a dense layer.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_tp2_greedy_tokens_and_logprobs_match_tp1(arch, tiny_model_dir, make_llm):
     model = tiny_model_dir(arch)
     prompts = [random_prompt(seed=50 + i, num_tokens=n) for i, n in enumerate(LENGTHS)]
