@@ -3,14 +3,18 @@
 A decode worker registers its KV pool with :func:`create_receiver` and hands out
 ``receiver.descriptor.to_bytes()``; a prefill worker opens it with :func:`create_sender` and
 calls ``write`` (per layer, asynchronous) and ``notify``. Backends: ``shm`` (same host, /dev/shm
-pool), ``tcp`` (ZeroMQ frames), ``cuda-ipc`` (same host GPUs), ``fake`` (in-process) and
-``auto``. Given the cluster secret (``secret=``, as the workers do), every ZeroMQ connection is
-CurveZMQ-encrypted and authenticated with keys derived from it. This package imports only
-numpy, torch, zmq and msgpack.
+pool), ``tcp`` (ZeroMQ frames), ``cuda-ipc`` (same host GPUs), ``nixl`` (NIXL/UCX one-sided
+writes, any host; an optional extra, unauthenticated data plane: kvtransfer/nixl.py), ``fake``
+(in-process) and ``auto`` (never nixl). Given the cluster secret (``secret=``, as the workers
+do), every ZeroMQ connection is CurveZMQ-encrypted and authenticated with keys derived from it.
+This package imports only numpy, torch, zmq and msgpack, and NIXL's bindings in kvtransfer/nixl.py
+when that backend is asked for.
 """
 from __future__ import annotations
 
+import functools
 import os
+from typing import Callable
 
 import torch
 
@@ -31,7 +35,7 @@ from .sender import Sender, SenderClosed, TransferCancelled, Writer, ZmqSender
 from .server import CurveKeys, ZmqServer
 from .tracker import TransferResult, TransferStatus
 
-BACKENDS = ("auto", *TRANSPORTS)   # auto: shm or cuda-ipc on the same host, else tcp
+BACKENDS = ("auto", *TRANSPORTS)   # auto: shm or cuda-ipc on the same host, else tcp (never nixl)
 
 __all__ = [
     "BACKENDS", "POOL_NAME", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
@@ -49,10 +53,11 @@ def create_receiver(pool: torch.Tensor, layout: KVLayout, backend: str = "auto",
                     fabric: FakeFabric | None = None) -> Receiver:
     """Register ``pool`` (shape ``layout.pool_shape(num_blocks)``) for incoming writes.
 
-    ``host`` is the address the ZeroMQ socket binds (a port is picked at random); ``lease_s``
-    is the default lease of expected requests. ``secret`` (the cluster secret; the workers
-    always give it) turns on CurveZMQ with the deployment's keys and admits only senders that
-    hold them; ``curve`` / ``allowed_clients`` (Z85 public keys) set keys and allow-list by hand.
+    ``host`` is the address the ZeroMQ socket binds (a port is picked at random) and, for nixl,
+    the address whose interface UCX may use; ``lease_s`` is the default lease of expected
+    requests. ``secret`` (the cluster secret; the workers always give it) turns on CurveZMQ with
+    the deployment's keys and admits only senders that hold them; ``curve`` /
+    ``allowed_clients`` (Z85 public keys) set keys and allow-list by hand.
     """
     if secret is not None and curve is None:
         curve = CurveKeys.from_secret(secret)
@@ -67,8 +72,17 @@ def create_receiver(pool: torch.Tensor, layout: KVLayout, backend: str = "auto",
         address = f"fake://{region_id}"
     else:
         core = ReceiverCore(pool, layout, transports)
-        transport = ZmqServer(core, host, curve, allowed_clients)
-        address, region_id = transport.address, os.urandom(8).hex()
+        server = ZmqServer(core, host, curve, allowed_clients)
+        transport, address, region_id = server, server.address, os.urandom(8).hex()
+    nixl = None
+    if "nixl" in transports:
+        from .nixl import AgentTransport, register_pool
+        try:
+            agent, nixl = register_pool(pool, host)
+        except BaseException:
+            transport.close()
+            raise
+        transport = AgentTransport(transport, agent)
     cuda = None
     if "cuda-ipc" in transports:
         from .cuda_ipc import export_cuda_pool
@@ -76,7 +90,7 @@ def create_receiver(pool: torch.Tensor, layout: KVLayout, backend: str = "auto",
     descriptor = RegionDescriptor(
         layout, core.num_blocks, transports, address, local_host_id(), region_id,
         shm_path if "shm" in transports else None, cuda,
-        curve.public if curve is not None and backend != "fake" else None)
+        curve.public if curve is not None and backend != "fake" else None, nixl)
     return Receiver(core, descriptor, transport, default_lease_s=lease_s)
 
 
@@ -111,13 +125,14 @@ def select_backend(descriptor: RegionDescriptor, src_pool: torch.Tensor) -> str:
 def create_sender(descriptor: RegionDescriptor | bytes, src_pool: torch.Tensor,
                   layout: KVLayout, backend: str = "auto", *, secret: str | None = None,
                   curve: CurveKeys | None = None, heartbeat_s: float = 1.0,
-                  fabric: FakeFabric | None = None) -> Sender:
+                  transfer_timeout_s: float = 30.0, fabric: FakeFabric | None = None) -> Sender:
     """Open a receiver's region for writes from ``src_pool``.
 
     Raises :class:`LayoutMismatchError` when ``layout`` differs from the receiver's, and
     ValueError when ``secret`` is given and the receiver does not serve with this deployment's
     CurveZMQ key (plaintext, or another deployment's). ``heartbeat_s`` must be well under the
-    receiver's lease.
+    receiver's lease. ``transfer_timeout_s`` (nixl): the deadline of one write's transfer, after
+    which that write fails and the sender refuses every later one (a stopped or gone receiver).
     """
     if isinstance(descriptor, (bytes, bytearray)):
         descriptor = RegionDescriptor.from_bytes(bytes(descriptor))
@@ -133,13 +148,16 @@ def create_sender(descriptor: RegionDescriptor | bytes, src_pool: torch.Tensor,
         if fabric is None:
             raise ValueError("backend='fake' needs the receiver's FakeFabric (fabric=...)")
         return FakeSender(descriptor, src_pool, layout, fabric)
-    writer: type[Writer]
+    writer: Callable[[Sender], Writer]
     if backend == "shm":
         from .shm import ShmWriter as writer
     elif backend == "tcp":
         from .tcp import TcpWriter as writer
     elif backend == "cuda-ipc":
         from .cuda_ipc import CudaIpcWriter as writer
+    elif backend == "nixl":
+        from .nixl import NixlWriter
+        writer = functools.partial(NixlWriter, transfer_timeout_s=transfer_timeout_s)
     else:
         raise ValueError(f"backend={backend!r}: use one of {BACKENDS}")
     return ZmqSender(descriptor, src_pool, layout, backend, writer, curve, heartbeat_s)

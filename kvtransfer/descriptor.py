@@ -2,8 +2,10 @@
 
 Serialized as a msgpack array with bounded fields (it crosses the control plane), decoded
 only into :class:`RegionDescriptor`. It carries the layout, the pool's block count, which
-transports the receiver accepts, its ZeroMQ endpoint and, per transport, the shm path or the
-CUDA IPC handle fields. No Python object serialization: the CUDA handle is sent as bytes and ints.
+transports the receiver accepts, its ZeroMQ endpoint and, per transport, the shm path, the
+CUDA IPC handle fields or the NIXL agent's metadata blob and the pool's address. No Python
+object serialization: the CUDA handle is sent as bytes and ints, the NIXL metadata as NIXL's
+own bytes (handed to its ``loadRemoteMD`` as they are).
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ import msgpack
 from .layout import MAX_DIM, KVLayout
 from .messages import MessageError
 
-TRANSPORTS = ("shm", "tcp", "cuda-ipc", "fake")
-ONE_SIDED = frozenset({"shm", "cuda-ipc", "fake"})  # sender writes the pool itself
+TRANSPORTS = ("shm", "tcp", "cuda-ipc", "nixl", "fake")
+ONE_SIDED = frozenset({"shm", "cuda-ipc", "nixl", "fake"})  # sender writes the pool itself
+VERSION = 2   # 2: the nixl region field
 MAX_DESCRIPTOR_BYTES = 256 << 10
 _MAX_STR = 1024
 _MAX_HANDLE = 64 << 10  # torch's IPC handle grows with expandable segments
@@ -37,6 +40,21 @@ class CudaIpcHandle:
 
 
 @dataclass(frozen=True)
+class NixlRegion:
+    """What a NIXL sender needs to write the receiver's pool: the receiver agent's metadata
+    (``getLocalMD()``: its UCX worker address and the pool's remote keys) and the pool's
+    registered memory, so block offsets become remote addresses."""
+
+    agent_metadata: bytes
+    base_addr: int               # the pool's first byte in the receiver's address space
+    device_id: int               # CUDA device of a VRAM pool; 0 for DRAM
+    mem_type: str                # "DRAM" or "VRAM"
+
+
+NIXL_MEM_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True)
 class RegionDescriptor:
     layout: KVLayout
     num_blocks: int
@@ -47,6 +65,7 @@ class RegionDescriptor:
     shm_path: str | None = None
     cuda_ipc: CudaIpcHandle | None = None
     curve_public_key: bytes | None = None   # Z85 server key when CurveZMQ is on
+    nixl: NixlRegion | None = None
 
     def to_bytes(self) -> bytes:
         lo = self.layout
@@ -54,10 +73,12 @@ class RegionDescriptor:
         cuda = None if c is None else [
             c.device, c.handle, c.storage_size_bytes, c.storage_offset_bytes, c.ref_counter_handle,
             c.ref_counter_offset, c.event_handle, c.event_sync_required, c.tensor_offset]
+        n = self.nixl
+        nixl = None if n is None else [n.agent_metadata, n.base_addr, n.device_id, n.mem_type]
         data = msgpack.packb([
-            1, [lo.dtype, lo.block_size, lo.num_layers, lo.num_kv_heads, lo.head_dim, lo.tp_rank],
+            VERSION, [lo.dtype, lo.block_size, lo.num_layers, lo.num_kv_heads, lo.head_dim, lo.tp_rank],
             self.num_blocks, list(self.transports), self.address, self.host_id, self.region_id,
-            self.shm_path, cuda, self.curve_public_key], use_bin_type=True)
+            self.shm_path, cuda, self.curve_public_key, nixl], use_bin_type=True)
         return data
 
     @classmethod
@@ -69,9 +90,9 @@ class RegionDescriptor:
                                   max_array_len=16, max_map_len=0, max_ext_len=0)
         except Exception as exc:
             raise MessageError("malformed", f"descriptor: {type(exc).__name__}") from None
-        if not isinstance(obj, list) or len(obj) != 10 or obj[0] != 1:
+        if not isinstance(obj, list) or len(obj) != 11 or obj[0] != VERSION:
             raise MessageError("malformed", "descriptor shape or version")
-        _, lo, num_blocks, transports, address, host_id, region_id, shm_path, cuda, key = obj
+        _, lo, num_blocks, transports, address, host_id, region_id, shm_path, cuda, key, nixl = obj
         try:
             layout = KVLayout(*_typed(lo, (str, int, int, int, int, int), "layout"))
         except ValueError as exc:
@@ -90,8 +111,11 @@ class RegionDescriptor:
             raise MessageError("bad_field", "curve_public_key")
         handle = None if cuda is None else CudaIpcHandle(*_typed(
             cuda, (int, bytes, int, int, bytes, int, bytes, bool, int), "cuda_ipc"))
+        region = None if nixl is None else NixlRegion(*_typed(nixl, (bytes, int, int, str), "nixl"))
+        if region is not None and (region.mem_type not in NIXL_MEM_TYPES or not region.agent_metadata):
+            raise MessageError("bad_field", "nixl")
         return cls(layout, num_blocks, tuple(transports), address, host_id, region_id,
-                   shm_path, handle, key)
+                   shm_path, handle, key, region)
 
 
 def _typed(values: object, types: tuple[type, ...], name: str) -> list:

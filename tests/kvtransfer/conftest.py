@@ -12,8 +12,20 @@ from kvtransfer.region import create_shm_pool, remove_shm_pool
 POISON = 0xA5
 DST_BLOCKS = 16
 SRC_BLOCKS = 12
-CONTRACT_BACKENDS = ["fake", "shm", "tcp", "cuda-ipc"]
+CONTRACT_BACKENDS = ["fake", "shm", "tcp", "cuda-ipc", "nixl"]
 HAS_CUDA = torch.cuda.is_available()
+# nixl runs over UCX's TCP transport on loopback here, as it would between nodes (on one host UCX
+# would otherwise pick shared memory). Child processes of the tests inherit it.
+os.environ.setdefault("UCX_TLS", "tcp,self")
+
+
+def has_nixl() -> bool:
+    try:
+        from kvtransfer.nixl import bindings
+        bindings()
+    except ImportError:
+        return False
+    return True
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -85,6 +97,8 @@ class Pair:
 def make_pair(backend: str, layout: KVLayout, lease_s: float = 5.0) -> Pair:
     if backend == "cuda-ipc" and not HAS_CUDA:
         pytest.skip("cuda-ipc needs a CUDA device; torch.cuda.is_available() is False here")
+    if backend == "nixl" and not has_nixl():
+        pytest.skip("NIXL is not installed (bash scripts/setup.sh --nixl)")
     return Pair(backend, layout, lease_s)
 
 

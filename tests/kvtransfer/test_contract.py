@@ -216,7 +216,7 @@ def test_writes_outside_the_request_are_rejected_by_the_receiver(pair):
         pair.assert_pool()
 
 
-@pytest.mark.parametrize("backend", ["shm", "tcp", "cuda-ipc"])
+@pytest.mark.parametrize("backend", ["shm", "tcp", "cuda-ipc", "nixl"])
 def test_sender_killed_mid_request(backend, layout):
     """A real sender process is kill -9'd: its request fails after the lease, others go on."""
     pair = make_pair(backend, layout, lease_s=1.0)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtransfer import KVLayout
-from kvtransfer.descriptor import RegionDescriptor, join_descriptors, split_descriptors
+from kvtransfer.descriptor import NixlRegion, RegionDescriptor, join_descriptors, split_descriptors
 from kvtransfer.messages import (
     Cancel,
     CancelAck,
@@ -68,15 +68,16 @@ def test_random_messages(data):
     _decodes_or_message_error(decode, data)
 
 
-def _descriptor() -> bytes:
-    return RegionDescriptor(layout=LAYOUT, num_blocks=8, transports=("tcp",), address="tcp://127.0.0.1:5555",
-                            host_id="h", region_id="region").to_bytes()
+def _descriptor(nixl: bool = False) -> bytes:
+    region = NixlRegion(bytes(range(200)), 1 << 40, 0, "DRAM") if nixl else None
+    return RegionDescriptor(layout=LAYOUT, num_blocks=8, transports=("nixl",) if nixl else ("tcp",),
+                            address="tcp://127.0.0.1:5555", host_id="h", region_id="region", nixl=region).to_bytes()
 
 
 @FUZZ
-@given(edits, cuts, st.booleans())
-def test_mutated_descriptors(edit, cut, as_set):
-    data = join_descriptors([_descriptor(), _descriptor()]) if as_set else _descriptor()
+@given(edits, cuts, st.booleans(), st.booleans())
+def test_mutated_descriptors(edit, cut, as_set, nixl):
+    data = join_descriptors([_descriptor(nixl), _descriptor()]) if as_set else _descriptor(nixl)
     _decodes_or_message_error(split_descriptors if as_set else RegionDescriptor.from_bytes, _mutate(data, edit, cut))
 
 
@@ -91,5 +92,6 @@ def test_valid_messages_round_trip():
     for data in VALID_MESSAGES:
         assert encode(decode(data)) == data
     assert split_descriptors(join_descriptors([_descriptor()])) == [_descriptor()]
+    assert RegionDescriptor.from_bytes(_descriptor(nixl=True)).to_bytes() == _descriptor(nixl=True)
     with pytest.raises(MessageError):
         decode(b"\xc1")

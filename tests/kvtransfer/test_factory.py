@@ -45,8 +45,8 @@ def test_bad_arguments(layout):
         create_receiver(pool, layout, "shm")
     with pytest.raises(ValueError, match="CUDA"):
         create_receiver(pool, layout, "cuda-ipc")
-    with pytest.raises(ValueError, match="backend='nixl'"):
-        create_receiver(pool, layout, "nixl")
+    with pytest.raises(ValueError, match="backend='rdma'"):
+        create_receiver(pool, layout, "rdma")
     with pytest.raises(ValueError, match="FakeFabric"):
         create_receiver(pool, layout, "fake")
     fabric = FakeFabric()
