@@ -33,7 +33,8 @@ class Workload:
 class Plan:
     model: str
     architecture: str
-    num_params: int
+    num_params: int                    # every weight the GPUs hold, each expert of an MoE model included
+    num_active_params: int             # what one token runs through (less the experts it is not routed to)
     dtype: str
     tensor_parallel_size: int
     weight_bytes_per_gpu: int
@@ -84,7 +85,12 @@ def activation_estimate(arch: ArchConfig, chunked_prefill_size: int, max_num_seq
                         tp: int) -> int:
     """A worst prefill step's activations plus float32 logits for a decode batch (an estimate; a
     CUDA worker measures the real peak with a profiling forward pass)."""
-    per_token = 3 * arch.hidden_size + (2 * arch.intermediate_size
+    mlp_features = arch.intermediate_size
+    if arch.moe is not None:
+        # Each token's rows go through top_k experts (and the shared one) side by side.
+        routed = arch.moe.top_k * arch.moe.intermediate_size + arch.moe.shared_intermediate_size
+        mlp_features = max(routed, arch.intermediate_size if arch.moe.dense_layers else 0)
+    per_token = 3 * arch.hidden_size + (2 * mlp_features
                                         + (arch.num_heads + 2 * arch.num_kv_heads) * arch.head_dim) // tp
     return chunked_prefill_size * per_token * itemsize + max_num_seqs * arch.vocab_size * 4
 
@@ -136,15 +142,17 @@ def make_plan(arch: ArchConfig, model: str, *, dtype: str, block_size: int, tens
         warnings.append(f"max_model_len={max_len} exceeds what the request log needs ({recommended} = P99 prompt "
                         f"{workload.p99_input_len} + max_tokens {workload.max_output_len}); lowering it keeps "
                         "a single long request from reserving the whole pool")
-    return Plan(model, arch.architecture, arch.num_params, dtype, tp, weight_bytes, kv_per_token, budget,
-                activations, num_blocks, block_size, kv_tokens, max_len, num_blocks // blocks_per_max,
-                tokens_per_request, concurrency, recommended, capacity_lines(num_blocks, block_size, max_len),
-                warnings)
+    return Plan(model, arch.architecture, arch.num_params, arch.num_active_params, dtype, tp, weight_bytes,
+                kv_per_token, budget, activations, num_blocks, block_size, kv_tokens, max_len,
+                num_blocks // blocks_per_max, tokens_per_request, concurrency, recommended,
+                capacity_lines(num_blocks, block_size, max_len), warnings)
 
 
 def render(plan: Plan) -> str:
+    active = ("" if plan.num_active_params == plan.num_params
+              else f" ({plan.num_active_params / 1e9:.2f}B active per token)")
     lines = [
-        f"model: {plan.model} ({plan.architecture}, {plan.num_params / 1e9:.2f}B params, {plan.dtype}, "
+        f"model: {plan.model} ({plan.architecture}, {plan.num_params / 1e9:.2f}B params{active}, {plan.dtype}, "
         f"TP {plan.tensor_parallel_size})",
         f"weights per GPU: {_gib(plan.weight_bytes_per_gpu)}",
         f"KV bytes per token per GPU: {plan.kv_bytes_per_token}",

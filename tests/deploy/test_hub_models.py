@@ -18,7 +18,14 @@ import pytest
 from deploy.cli import main as tandem_main
 
 # Session fixtures that build the tiny HF checkpoints (imported so pytest registers them here).
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from tests.engine.conftest import (  # noqa: F401
+    hf_greedy,
+    hf_model,
+    smollm2_gguf,
+    smollm2_tokenizer,
+    tiny_model_dir,
+    tokenizer_files,
+)
 from tests.engine.hub_fixtures import FakeHub, commit_of, write_hf_cache
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,6 +95,19 @@ def test_generate_by_id_offline_matches_local_path(hub_cache, local_tokens):
     proc = _tandem(*GENERATE, "--model", REPO, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
     assert proc.returncode == 0, proc.stderr
     assert _token_ids(proc.stdout) == local_tokens["llama"]
+
+
+def test_generate_a_mixture_of_experts_model_by_path_and_by_id_offline(tmp_path, tiny_model_dir, hf_model):  # noqa: F811
+    # A tiny random Qwen3-MoE (8 experts, top 2), as transformers saves it: the same tokens as
+    # transformers' greedy generate, from the directory and from an HF cache by id.
+    write_hf_cache(tmp_path, "tiny-org/tiny-qwen3-moe", tiny_model_dir("qwen3_moe"), MAIN)
+    by_path = _tandem(*GENERATE, "--model", str(tiny_model_dir("qwen3_moe")))
+    by_id = _tandem(*GENERATE, "--model", "tiny-org/tiny-qwen3-moe", HF_HUB_CACHE=str(tmp_path), HF_HUB_OFFLINE="1")
+    assert by_path.returncode == 0 and by_id.returncode == 0, by_path.stderr + by_id.stderr
+    record = json.loads(by_path.stdout.strip().splitlines()[-1])
+    assert record["token_ids"] == hf_greedy(hf_model("qwen3_moe"), record["prompt_token_ids"], 8)
+    assert _token_ids(by_id.stdout) == record["token_ids"]
+    assert "Qwen3MoeForCausalLM" in by_id.stderr
 
 
 def test_generate_revision_picks_snapshot(hub_cache, local_tokens, monkeypatch, capsys):

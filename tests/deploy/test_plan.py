@@ -91,3 +91,47 @@ def test_plan_agrees_with_a_started_worker():
     plan = _plan("--kv-cache-memory", str(64 << 20), "--max-model-len", "512")
     for line in plan["capacity_lines"]:
         assert line in stderr, (line, stderr)
+
+
+# Published config.json values (Qwen/Qwen3-30B-A3B, mistralai/Mixtral-8x7B-v0.1), fields Tandem reads.
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048, "intermediate_size": 6144,
+                 "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "num_hidden_layers": 48,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                 "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                 "tie_word_embeddings": False}
+MIXTRAL_8X7B = {"architectures": ["MixtralForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+                "num_local_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_attention_heads": 32,
+                "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 32768, "rms_norm_eps": 1e-5,
+                "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False}
+
+
+def test_qwen3_30b_a3b_counts_every_expert_by_hand(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    plan = _plan("--model", str(tmp_path), "--memory", "80GB", "--tensor-parallel-size", "2",
+                 "--activation-memory", "2GiB")
+    d, layers, vocab = 2048, 48, 151936
+    attn = d * 128 * (2 * 32 + 2 * 4) + 2 * 128               # q/o, k/v, q/k norms
+    experts = 128 * 3 * d * 768 + 128 * d                      # 128 gated experts and the router
+    params = layers * (attn + experts + 2 * d) + 2 * vocab * d + d
+    assert plan["num_params"] == params == 30_532_122_624      # "30.5B" on the model card
+    active = params - layers * (128 - 8) * 3 * d * 768
+    assert plan["num_active_params"] == active == 3_353_032_704   # "3.3B activated"
+    assert plan["weight_bytes_per_gpu"] == -(-params * 2 // 2)    # bfloat16, every expert, split 2 ways
+    assert plan["kv_bytes_per_token"] == 2 * layers * 2 * 128 * 2   # this rank's 2 of 4 KV heads
+    assert plan["num_blocks"] == (int(80e9 * 0.9) - plan["weight_bytes_per_gpu"] - (2 << 30)) // (
+        16 * plan["kv_bytes_per_token"])
+
+
+def test_mixtral_8x7b_counts_every_expert_and_says_what_is_active(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL_8X7B))
+    plan = _plan("--model", str(tmp_path), "--memory", "80GB", "--tensor-parallel-size", "2")
+    d, f, layers = 4096, 14336, 32
+    per_layer = d * 128 * (2 * 32 + 2 * 8) + 8 * 3 * d * f + 8 * d + 2 * d
+    assert plan["num_params"] == layers * per_layer + 2 * 32000 * d + d == 46_702_792_704   # "46.7B"
+    assert plan["num_active_params"] == plan["num_params"] - layers * 6 * 3 * d * f == 12_879_925_248
+    text = subprocess.run([sys.executable, "-m", "deploy.cli", "plan", "--model", str(tmp_path), "--memory",
+                           "80GB", "--tensor-parallel-size", "2"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120).stdout
+    assert text.splitlines()[0] == (f"model: {tmp_path} (MixtralForCausalLM, 46.70B params (12.88B active per "
+                                    "token), bfloat16, TP 2)")
