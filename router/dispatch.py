@@ -37,7 +37,7 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -66,6 +66,19 @@ class TokenEvent:
     num_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Break:
+    """How an attempt broke: the one value the retry decision reads. Made where the break is
+    seen: the decode stream (in ``events``), or from outside it (a worker removed, a failed
+    Submit), which then cancels the stream."""
+
+    role: str                                 # the role that broke it
+    failure: str                              # what happened, for the log (addresses and ids in it)
+    lost: str | None = None                   # a worker the registry removed: its fault, not the request's
+    transient: bool = False                   # the decode worker said so (a KV transfer broke)
+    submit_error: grpc.aio.AioRpcError | None = None   # the Submit's own error
+
+
 @dataclass(eq=False)
 class Attempt:
     request_id: str
@@ -73,8 +86,7 @@ class Attempt:
     decode: WorkerState
     call: SessionCall | None = None
     submit_request: worker_pb2.SubmitRequest | None = None
-    submit_error: grpc.aio.AioRpcError | None = None
-    lost: str | None = None            # address of a worker the registry removed mid-attempt
+    broken: Break | None = None        # set once, from outside the stream (Dispatcher._cut)
     prefill_done: bool = False         # first token seen (or attempt over): P no longer involved
     streamed: bool = False             # D streamed something: P did its part
     finished: bool = False
@@ -156,7 +168,6 @@ class Dispatcher:
                     attempt = self._start(attempt_id, progress, sampling, avoid)
                 else:
                     attempt = first
-                transient = False   # a broken KV transfer: not the request's fault
                 try:
                     while responses := await attempt.call.take():
                         # One event for every message that came since the last (one per engine
@@ -186,34 +197,39 @@ class Dispatcher:
                         yield event
                         if attempt.finished:
                             return
-                    role, failure = "decode", "the decode stream ended without a finish_reason"
+                    brk = Break("decode", "the decode stream ended without a finish_reason")
                 except grpc.aio.AioRpcError as exc:
                     if exc.code() not in RETRYABLE:
                         raise errors.from_worker(exc.code(), exc.details() or "") from None
-                    role, failure = "decode", f"decode stream: {exc.code().name}: {exc.details()}"
-                    transient = isinstance(exc, WorkerFailure) and exc.transient
+                    brk = Break("decode", f"decode stream: {exc.code().name}: {exc.details()}",
+                                transient=isinstance(exc, WorkerFailure) and exc.transient)
                 except asyncio.CancelledError:
-                    if (attempt.lost is None and attempt.submit_error is None) or asyncio.current_task().cancelling():
+                    if attempt.broken is None or asyncio.current_task().cancelling():
                         raise
-                    role, failure = self._describe_break(attempt)
+                    brk = attempt.broken
+                    error = brk.submit_error
+                    if error is not None and error.code() not in RETRYABLE:
+                        raise errors.from_worker(error.code(), error.details() or "") from None
                 finally:
                     self._end(attempt)
-                avoid |= self._suspects(attempt)
+                if brk.lost is None and attempt.broken is not None and attempt.broken.lost is not None:
+                    brk = replace(brk, lost=attempt.broken.lost)   # removed while its stream broke
+                avoid |= self._suspects(attempt, brk)
                 await self._diagnose(attempt)
-                if attempt.lost is None:
+                if brk.lost is None:
                     # A killed worker breaks the stream before the registry knows; the probe
                     # just now removed it: the worker's fault, never a poison request's.
-                    attempt.lost = next((w.address for w in (attempt.decode, attempt.prefill)
-                                         if w is not None and w.removed), None)
-                if attempt.lost is None and not transient:
-                    reason = self._reason(failure, attempt, request_id)
+                    brk = replace(brk, lost=next((w.address for w in (attempt.decode, attempt.prefill)
+                                                  if w is not None and w.removed), None))
+                if brk.lost is None and not brk.transient:
+                    reason = self._reason(brk.failure, attempt, request_id)
                     if reason in failures:
                         logger.warning("request_id=%s failed twice for the same reason; not retrying: %s",
-                                       request_id, errors.clip(failure, errors.WORKER_DETAIL_CHARS))
+                                       request_id, errors.clip(brk.failure, errors.WORKER_DETAIL_CHARS))
                         detail = errors.without_addresses(errors.clip(reason, errors.WORKER_DETAIL_CHARS),
                                                           [w.address for w in self.registry.all()])
-                        raise errors.internal(f"the request failed twice for the same reason on different {role} "
-                                              f"workers; not retrying: {detail}")
+                        raise errors.internal(f"the request failed twice for the same reason on different "
+                                              f"{brk.role} workers; not retrying: {detail}")
                     failures.add(reason)
                 if len(progress.output_token_ids) >= progress.max_tokens:
                     # The stream broke after the last token but before its finish message.
@@ -221,9 +237,9 @@ class Dispatcher:
                                      len(progress.output_token_ids))
                     return
                 logger.warning("failing over request_id=%s after %d output tokens: %s", request_id,
-                               len(progress.output_token_ids), errors.clip(failure, errors.WORKER_DETAIL_CHARS))
+                               len(progress.output_token_ids), errors.clip(brk.failure, errors.WORKER_DETAIL_CHARS))
                 if self.on_failover is not None:
-                    self.on_failover(failure)
+                    self.on_failover(brk.failure)
             raise errors.unavailable(f"the request failed on {self.max_attempts} worker pairs")
         finally:
             if waiting:
@@ -313,8 +329,15 @@ class Dispatcher:
             return  # removed: _worker_removed moves the prompt to another prefill worker
         if attempt.finished or attempt.call.done():
             return
-        attempt.submit_error = exc
-        attempt.call.cancel()
+        self._cut(attempt, Break("prefill", f"Submit to {prefill.address}: {exc.code().name}: {exc.details()}",
+                                 submit_error=exc))
+
+    @staticmethod
+    def _cut(attempt: Attempt, brk: Break) -> None:
+        """Break ``attempt`` from outside its stream: the first break is the one that counts."""
+        if attempt.broken is None:
+            attempt.broken = brk
+            attempt.call.cancel()
 
     def _prefill_done(self, attempt: Attempt) -> None:
         if not attempt.prefill_done:
@@ -339,17 +362,6 @@ class Dispatcher:
             assert isinstance(prefill.session, PrefillSession)
             prefill.session.abort(attempt.request_id)
 
-    def _describe_break(self, attempt: Attempt) -> tuple[str, str]:
-        """The role that broke ``attempt`` and how."""
-        if attempt.lost is not None:
-            role = "decode" if attempt.lost == attempt.decode.address else "prefill"
-            return role, f"worker {attempt.lost} was removed"
-        exc = attempt.submit_error
-        assert exc is not None and attempt.prefill is not None
-        if exc.code() not in RETRYABLE:
-            raise errors.from_worker(exc.code(), exc.details() or "") from None
-        return "prefill", f"Submit to {attempt.prefill.address}: {exc.code().name}: {exc.details()}"
-
     @staticmethod
     def _reason(failure: str, attempt: Attempt, request_id: str) -> str:
         """``failure`` without what differs between attempts: the workers and the attempt's id."""
@@ -360,10 +372,10 @@ class Dispatcher:
         return failure
 
     @staticmethod
-    def _suspects(attempt: Attempt) -> set[str]:
-        if attempt.lost is not None:
-            return {attempt.lost}
-        if attempt.prefill is not None and (attempt.submit_error is not None or not attempt.streamed):
+    def _suspects(attempt: Attempt, brk: Break) -> set[str]:
+        if brk.lost is not None:
+            return {brk.lost}
+        if attempt.prefill is not None and (brk.submit_error is not None or not attempt.streamed):
             return {attempt.prefill.address, attempt.decode.address}
         return {attempt.decode.address}
 
@@ -379,8 +391,7 @@ class Dispatcher:
         self.decode_policy.forget(worker.address)
         for attempt in list(self._attempts.pop(worker.address, ())):
             if attempt.decode is worker:
-                attempt.lost = worker.address
-                attempt.call.cancel()
+                self._cut(attempt, Break("decode", f"worker {worker.address} was removed", lost=worker.address))
             elif not attempt.prefill_done:
                 # Keep the decode worker's reservation: move the prompt to another prefill worker.
                 self._spawn(self._replace_prefill(attempt, worker))
@@ -399,12 +410,10 @@ class Dispatcher:
             if exc.code() == grpc.StatusCode.NOT_FOUND and not attempt.finished:
                 attempt.prefill_done = True  # the KV already landed: the decode worker carries on
                 return
-            attempt.lost = dead.address
-            attempt.call.cancel()
+            self._cut(attempt, Break("prefill", f"worker {dead.address} was removed", lost=dead.address))
             return
         except errors.RouterError:
-            attempt.lost = dead.address
-            attempt.call.cancel()
+            self._cut(attempt, Break("prefill", f"worker {dead.address} was removed", lost=dead.address))
             return
         if attempt.finished:
             return
