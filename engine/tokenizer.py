@@ -12,6 +12,7 @@ metadata (read by ``engine.gguf_file``, standard library only), from which the s
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
@@ -373,8 +374,21 @@ class Tokenizer:
             return [self.bos_token_id, *ids]
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               keep_token_ids: frozenset[int] = frozenset()) -> str:
+        """``keep_token_ids``: special tokens written out even when the others are skipped (a
+        tool-call format's control tokens, such as Mistral's ``[TOOL_CALLS]``)."""
+        ids = list(ids)
+        if skip_special_tokens and keep_token_ids and not keep_token_ids.isdisjoint(ids):
+            special = self.special_token_ids
+            return self._backend.decode([i for i in ids if i in keep_token_ids or i not in special],
+                                        skip_special_tokens=False)
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids a decode that skips special tokens leaves out."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
@@ -419,9 +433,11 @@ class IncrementalDetokenizer:
 
     MAX_HELD_TOKENS = 16
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 keep_token_ids: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._keep_token_ids = keep_token_ids   # special tokens written out all the same (Tokenizer.decode)
         self._ids: list[int] = []
         self._read_offset = 0  # ids[:read_offset] are already emitted
 
@@ -438,7 +454,11 @@ class IncrementalDetokenizer:
         return self._advance(final=True)
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, self._skip_special_tokens) if ids else ""
+        if not ids:
+            return ""
+        if self._keep_token_ids:
+            return self._tokenizer.decode(ids, self._skip_special_tokens, self._keep_token_ids)
+        return self._tokenizer.decode(ids, self._skip_special_tokens)
 
     def _advance(self, final: bool) -> str:
         if len(self._ids) == self._read_offset:

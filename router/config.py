@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 PREFILL_POLICIES = ("cache_aware", "least_load", "power_of_two", "round_robin")
 DECODE_POLICIES = ("least_load", "power_of_two", "round_robin")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json")   # router/tool_calls.py
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")   # router/tool_formats.py
 READY_PREFIX = "TANDEM_ROUTER_READY "      # `python -m router` prints it + {"http", "grpc"} once listening
 
 
@@ -41,8 +41,10 @@ class RouterConfig:
     #                                        role to be healthy again (the controller restarting one)
     local_prefill_max_tokens: int = 0      # conditional disaggregation: prompts of at most this many tokens
     #                                        are prefilled by their decode worker, no prefill worker (0 = never)
-    tool_call_parser: str = ""             # how the model writes tool calls (TOOL_CALL_PARSERS); "" = none
-    enable_auto_tool_choice: bool = False  # tool_choice "auto": parse calls out of free output
+    tool_call_parser: str = ""             # how the model writes tool calls (TOOL_CALL_PARSERS); "" = read
+    #                                        from the chat template (router/tool_formats.py)
+    enable_auto_tool_choice: bool = True   # tool_choice "auto" (parse calls out of free output) when a
+    #                                        parser is known
     # HTTP connections (router/http_server.py): limits no real client reaches, so that no peer
     # holds a connection or a worker slot by sending slowly or not at all
     http_header_timeout_s: float = 20.0    # a request head must arrive whole within this (else 408, closed)
@@ -77,9 +79,6 @@ class RouterConfig:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser={self.tool_call_parser!r}: use one of {TOOL_CALL_PARSERS}")
-        if self.enable_auto_tool_choice and not self.tool_call_parser:
-            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser "
-                             f"{'|'.join(TOOL_CALL_PARSERS)})")
         for name in ("http_header_timeout_s", "http_body_timeout_s", "http_keep_alive_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -131,10 +130,14 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-without-api-key", action="store_true",
                    help="serve the router's /metrics without the API key (with --api-key it wants the key)")
     p.add_argument("--tool-call-parser", default=d.tool_call_parser, choices=("",) + TOOL_CALL_PARSERS,
-                   help="how the model writes tool calls: hermes (<tool_call> tags: Qwen, Hermes, SmolLM2) or "
-                        "llama3_json (Llama 3.x)")
-    p.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='tool_choice "auto": read tool calls out of the output with --tool-call-parser')
+                   help="how the model writes tool calls: hermes (<tool_call> JSON: Qwen 2.5/3, Hermes, SmolLM2), "
+                        "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]: Llama 3.2/4 "
+                        "pythonic, ToolACE) or qwen3_coder (<function=...> XML); default: picked from the chat "
+                        "template's markers (hermes for a template that renders no tools)")
+    p.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction,
+                   default=d.enable_auto_tool_choice,
+                   help='tool_choice "auto" (the OpenAI default when tools are given): read tool calls out of '
+                        "the output with the parser; on by default, --no-enable-auto-tool-choice refuses it")
 
 
 def public_api_flags(args: argparse.Namespace) -> list[str]:
@@ -148,6 +151,8 @@ def public_api_flags(args: argparse.Namespace) -> list[str]:
         value = getattr(args, action.dest)
         if value == action.default:
             continue
-        flag = action.option_strings[0]
-        flags += [flag] if isinstance(value, bool) else [flag, str(value)]
+        if isinstance(value, bool):   # store_true, or --X / --no-X
+            flags.append(action.option_strings[0 if value else 1])
+        else:
+            flags += [action.option_strings[0], str(value)]
     return flags

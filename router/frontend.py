@@ -10,6 +10,7 @@ aborts the request at both workers through the dispatcher.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -28,6 +29,8 @@ from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.sampling import prepare_sampling, unencodable
 from router.text_stream import TextStream
+from router.tool_choice import ToolRequest, prompt_inputs
+from router.tool_formats import ToolFormat
 
 MAX_PROMPT_TOKEN_IDS = 1 << 20   # a prompt_token_ids list before any worker told max_model_len
 MAX_CHAT_MESSAGES = 4096         # messages in one chat request
@@ -38,6 +41,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     params: worker_pb2.SamplingParams
     stop: tuple[str, ...]
+    keep_token_ids: frozenset[int] = frozenset()   # special tokens kept in the text (tool-call markers)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Frontend:
         self.max_waiting = config.max_waiting
         self.max_sub_requests = config.max_sub_requests
         self.max_prompt_chars = config.max_prompt_chars
+        self.tool_format = ToolFormat.resolve(config.tool_call_parser, config.enable_auto_tool_choice, tokenizer)
 
     # -- preparing --------------------------------------------------------------------------
 
@@ -137,10 +142,25 @@ class Frontend:
             raise errors.invalid_request(f"{num_messages} messages, more than the {MAX_CHAT_MESSAGES} one chat "
                                          "request may hold", "messages")
 
+    def tool_request(self, tools: list[dict], tool_choice: str | dict | None,
+                     parallel_tool_calls: bool | None) -> ToolRequest | None:
+        """What a chat request's tools mean here (router/tool_choice.py); RouterError 400 if they cannot hold."""
+        return ToolRequest.from_openai(tools, tool_choice, parallel_tool_calls, self.tool_format)
+
     def prepare_chat(self, messages: list[dict], sampling: tandem_pb2.Sampling, request_id: str = "",
-                     default_max_tokens: int | None = None, tools: list[dict] | None = None) -> PreparedRequest:
-        """``tools`` go to the chat template (router/tool_choice.py decides which and how)."""
+                     default_max_tokens: int | None = None, tools: ToolRequest | None = None) -> PreparedRequest:
+        """``tools`` go to the chat template, or are described in the messages when it renders none
+        (router/tool_choice.py); a request whose output a parser reads keeps its markers."""
         self.check_num_messages(len(messages))
+        messages, template_tools = prompt_inputs(messages, tools, self.tokenizer.template_takes_tools,
+                                                 self.tool_format.parser_name)
+        prepared = self._prepare_chat(messages, sampling, request_id, default_max_tokens, template_tools)
+        if tools is not None and not tools.forced and self.tool_format.marker_token_ids:
+            prepared = dataclasses.replace(prepared, keep_token_ids=self.tool_format.marker_token_ids)
+        return prepared
+
+    def _prepare_chat(self, messages: list[dict], sampling: tandem_pb2.Sampling, request_id: str,
+                      default_max_tokens: int | None, tools: list[dict] | None) -> PreparedRequest:
         request_id = self._request_id(request_id)
         num_chars = len(json.dumps(tools)) if tools else 0
         for i, message in enumerate(messages):
@@ -209,7 +229,7 @@ class Frontend:
         ``dispatch``: the request as ``open`` started it (else the stream opens it)."""
         if dispatch is None:
             dispatch = self.open(request)
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(self.tokenizer, request.stop, request.keep_token_ids)
         start_s = last_s = first_s = time.perf_counter()
         num_output_tokens = 0
         events = self.dispatcher.events(dispatch)

@@ -47,7 +47,7 @@ from router.config import RouterConfig
 from router.frontend import Frontend, PreparedRequest, TextChunk
 from router.openai_types import Body, ChatCompletionRequest, CompletionRequest, parse_body
 from router.tool_calls import ToolCall
-from router.tool_choice import AnswerReader, ToolRequest, prompt_inputs
+from router.tool_choice import AnswerReader, ToolRequest
 
 logger = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -189,8 +189,6 @@ class HttpApi:
         self.max_body_bytes = config.max_request_body_bytes
         self.metrics_need_key = bool(config.api_key) and not config.metrics_without_api_key
         self.logprobs = LogprobFormatter(frontend.tokenizer)
-        self.tool_call_parser = config.tool_call_parser
-        self.enable_auto_tool_choice = config.enable_auto_tool_choice
 
     def check_host(self, request: Request) -> None:
         if not self.allowed_hosts:
@@ -344,17 +342,14 @@ class HttpApi:
     def _prepare_chat(self, body: ChatCompletionRequest, messages: list[dict], sampling,
                       tools: ToolRequest | None) -> list[PreparedRequest]:
         base = body.request_id or self.frontend.new_request_id()
-        messages, template_tools = prompt_inputs(messages, tools, self.frontend.tokenizer.template_takes_tools,
-                                                 self.tool_call_parser)
-        first = self.frontend.prepare_chat(messages, sampling, f"{base}-0" if body.n > 1 else base,
-                                           tools=template_tools)
+        first = self.frontend.prepare_chat(messages, sampling, f"{base}-0" if body.n > 1 else base, tools=tools)
         return self._fan_out(first, body.n, body.seed, base, "")
 
     def _tool_request(self, body: ChatCompletionRequest) -> ToolRequest | None:
         choice = body.tool_choice
-        return ToolRequest.from_openai([t.as_dict() for t in body.tools or ()],
-                                       choice.model_dump() if hasattr(choice, "model_dump") else choice,
-                                       body.parallel_tool_calls, self.tool_call_parser, self.enable_auto_tool_choice)
+        return self.frontend.tool_request([t.as_dict() for t in body.tools or ()],
+                                          choice.model_dump() if hasattr(choice, "model_dump") else choice,
+                                          body.parallel_tool_calls)
 
     async def chat(self, request: Request):
         body, nbytes = await self.read(request, ChatCompletionRequest)

@@ -70,6 +70,7 @@ class Router:
                                      local_prefill_max_tokens=c.local_prefill_max_tokens)
         self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
         self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c)
+        logger.info("%s", self.frontend.tool_format.describe())
         for role, addresses in (("prefill", c.prefill), ("decode", c.decode)):
             for address in addresses:
                 self.registry.add(role, address)

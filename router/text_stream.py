@@ -12,8 +12,10 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class TextStream:
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (),
+                 keep_token_ids: frozenset[int] = frozenset()) -> None:
+        """``keep_token_ids``: special tokens written into the text (a tool-call format's markers)."""
+        self._detok = IncrementalDetokenizer(tokenizer, keep_token_ids=keep_token_ids)
         self._stop = tuple(stop)
         self._held = ""
         self.stopped = False

@@ -1,6 +1,8 @@
 """Tool-call parsers: a model's chat output -> content plus OpenAI ``tool_calls`` (router process).
 
-One parser per output format, chosen by ``--tool-call-parser`` (``PARSERS``):
+One parser per output format, chosen by ``--tool-call-parser`` or from the model's chat template
+(router/tool_formats.py, which lists them all; mistral, pythonic and qwen3_coder have files of
+their own). Here:
 
 - ``hermes``: Hermes 2 Pro, Qwen 2/2.5/3 and SmolLM2 write each call as
   ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; SmolLM2 puts a JSON list of such
@@ -28,7 +30,7 @@ from dataclasses import dataclass, field
 
 from router.json_limits import loads_bounded
 
-_WHITESPACE = " \t\r\n"
+WHITESPACE = " \t\r\n"
 
 
 def new_call_id() -> str:
@@ -114,7 +116,7 @@ class JsonValueScanner:
         return False
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of ``text`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):
@@ -124,6 +126,11 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 class ToolCallParser:
     """The interface: one instance per generated choice."""
+
+    @classmethod
+    def for_tools(cls, tools: tuple[dict, ...]) -> ToolCallParser:
+        """A parser for a request with these tools (a format whose text has no types reads them)."""
+        return cls()
 
     def feed(self, text: str) -> Parsed:
         raise NotImplementedError
@@ -161,20 +168,20 @@ class HermesParser(ToolCallParser):
                 self._pending = self._pending[end + len(self.CLOSE):]
                 continue
             if self._after_call:
-                self._pending = self._pending.lstrip(_WHITESPACE)
+                self._pending = self._pending.lstrip(WHITESPACE)
                 if not self._pending:
                     return out
                 self._after_call = False
             start = self._pending.find(self.OPEN)
             if start < 0:
-                keep = _partial_suffix(self._pending, self.OPEN)
+                keep = partial_suffix(self._pending, self.OPEN)
                 head = self._pending[:len(self._pending) - keep]
-                released = head.rstrip(_WHITESPACE)   # trailing whitespace may precede a call
+                released = head.rstrip(WHITESPACE)   # trailing whitespace may precede a call
                 out.content += released
                 self._pending = self._pending[len(released):]
                 return out
             before = self._pending[:start]
-            released = before.rstrip(_WHITESPACE)
+            released = before.rstrip(WHITESPACE)
             out.content += released
             self._held_ws = before[len(released):]
             self._pending = self._pending[start + len(self.OPEN):]
@@ -182,7 +189,7 @@ class HermesParser(ToolCallParser):
 
     def _close(self, body: str, close: str) -> Parsed:
         self._inside = False
-        calls = calls_from_json(_decode(body.strip(_WHITESPACE)))
+        calls = self._read_body(body)
         if calls is None:
             return Parsed(self._held_ws + self.OPEN + body + close)
         self._held_ws = ""
@@ -190,11 +197,15 @@ class HermesParser(ToolCallParser):
         self._num_calls += len(calls)
         return Parsed("", calls)
 
+    def _read_body(self, body: str) -> list[ToolCall] | None:
+        """The calls between one pair of tags; None if it holds none."""
+        return calls_from_json(_decode(body.strip(WHITESPACE)))
+
     def finish(self) -> Parsed:
         pending, self._pending = self._pending, ""
         if self._inside:   # the output ended inside a call (EOS instead of the close tag, or max_tokens)
             return self._close(pending, "")
-        if self._num_calls and not pending.strip(_WHITESPACE):
+        if self._num_calls and not pending.strip(WHITESPACE):
             return Parsed()
         return Parsed(pending)
 
@@ -220,21 +231,21 @@ class Llama3JsonParser(ToolCallParser):
                 continue
             if char in "{[" and (self._line_blank or self._after_call):
                 if not self._after_call:   # whitespace before the first call is dropped only if it is one
-                    released = self._pending.rstrip(_WHITESPACE)
+                    released = self._pending.rstrip(WHITESPACE)
                     out.content += released
                     self._pending = self._pending[len(released):]
                 self._scanner, self._value = JsonValueScanner(), char
                 self._scanner.feed(char)
                 continue
-            if self._after_call and (char in _WHITESPACE or char in self.SEPARATORS):
+            if self._after_call and (char in WHITESPACE or char in self.SEPARATORS):
                 self._pending += char
                 continue
             if self._after_call:   # text after the calls: content, without the whitespace that led to it
-                self._pending = self._pending.lstrip(_WHITESPACE)
+                self._pending = self._pending.lstrip(WHITESPACE)
                 self._after_call = False
             self._pending += char
-            self._line_blank = char == "\n" or (self._line_blank and char in _WHITESPACE)
-            if char not in _WHITESPACE:
+            self._line_blank = char == "\n" or (self._line_blank and char in WHITESPACE)
+            if char not in WHITESPACE:
                 out.content += self._pending
                 self._pending = ""
         return out
@@ -243,14 +254,14 @@ class Llama3JsonParser(ToolCallParser):
         value, self._value, self._scanner = self._value, "", None
         calls = calls_from_json(_decode(value), require_arguments=True)
         if calls is None:
-            pending = self._pending.lstrip(_WHITESPACE) if self._after_call else self._pending
+            pending = self._pending.lstrip(WHITESPACE) if self._after_call else self._pending
             self._after_call = False
             self._line_blank = False
             self._pending = ""
             return Parsed(pending + value)
         if self._after_call:
             self._pending = ""      # separators between two calls
-        elif not self._pending.strip(_WHITESPACE):
+        elif not self._pending.strip(WHITESPACE):
             self._pending = ""      # whitespace before the first call
         self._after_call = True
         self._num_calls += len(calls)
@@ -258,7 +269,7 @@ class Llama3JsonParser(ToolCallParser):
 
     def finish(self) -> Parsed:
         if self._scanner is not None:   # cut off inside a value: it was never a call
-            content = (self._pending.lstrip(_WHITESPACE) if self._after_call else self._pending) + self._value
+            content = (self._pending.lstrip(WHITESPACE) if self._after_call else self._pending) + self._value
         elif self._after_call:
             content = ""
         else:
@@ -288,5 +299,3 @@ class ForcedParser(ToolCallParser):
         calls = calls_from_json(value) if self._function_name is None and isinstance(value, list) else None
         return Parsed("", calls) if calls else Parsed(text)
 
-
-PARSERS: dict[str, type[ToolCallParser]] = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

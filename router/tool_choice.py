@@ -1,8 +1,10 @@
 """Tools on a chat request (router process): what ``tools``, ``tool_choice`` and
 ``parallel_tool_calls`` mean for the prompt, the sampling and the reading of the output.
 
-- ``auto``: the template gets the tools and the ``--tool-call-parser`` parser reads the output;
-  like vLLM, this needs ``--enable-auto-tool-choice`` (400 otherwise).
+- ``auto`` (OpenAI's default when tools are given): the template gets the tools and the
+  router's parser (``--tool-call-parser``, else picked from the chat template:
+  router/tool_formats.py) reads the output; a 400 naming the flag when no parser is known or
+  the router runs with ``--no-enable-auto-tool-choice``.
 - ``none``: neither: no tools in the template, the output is content.
 - ``required`` / a named function: the output is forced to JSON by the structured-output
   machinery: the named function's arguments object, or a list of {"name", "parameters"}
@@ -10,7 +12,7 @@
   template gets the tools too, so the model knows what it is calling.
 
 A chat template that does not render ``tools`` (SmolLM2-135M-Instruct's) gets them described in
-a system message instead, in the format the configured parser reads, and earlier turns' tool
+a system message instead, in the format the router's parser reads, and earlier turns' tool
 calls and results are written as text in that format (``describe_tools``).
 
 Bounds (400 naming ``tools``): at most ``MAX_TOOLS`` tools (OpenAI's 128), names of at most
@@ -26,7 +28,8 @@ from dataclasses import dataclass
 from engine.config import MAX_STRUCTURED_SPEC_CHARS
 from router import errors
 from router.json_limits import MAX_JSON_DEPTH, json_depth, loads_bounded
-from router.tool_calls import PARSERS, ForcedParser, Parsed, ToolCallParser
+from router.tool_calls import ForcedParser, Parsed, ToolCallParser
+from router.tool_formats import PARSERS, ToolFormat
 
 CHOICES = ("auto", "none", "required")
 MAX_TOOLS = 128
@@ -41,11 +44,11 @@ class ToolRequest:
     choice: str                    # "auto", "required" or "function" (a named one)
     function_name: str | None      # the named function
     parallel: bool                 # more than one call per answer
-    parser_name: str               # --tool-call-parser ("" = none)
+    parser_name: str               # the router's parser ("" = none)
 
     @classmethod
     def from_openai(cls, tools: list[dict] | None, tool_choice: str | dict | None, parallel_tool_calls: bool | None,
-                    parser_name: str, auto_enabled: bool) -> ToolRequest | None:
+                    tool_format: ToolFormat) -> ToolRequest | None:
         """None when the request involves no tools; RouterError 400 for a choice that cannot hold."""
         tools = list(tools or [])
         check_tools(tools)
@@ -64,10 +67,9 @@ class ToolRequest:
             raise errors.invalid_request('tool_choice "required" needs tools', "tool_choice")
         if not tools or choice == "none":
             return None
-        if choice == "auto" and not (auto_enabled and parser_name):
-            raise errors.invalid_request('tool_choice "auto" needs the router started with --enable-auto-tool-choice '
-                                         "and --tool-call-parser", "tool_choice")
-        return cls(tuple(tools), choice, function_name, parallel_tool_calls is not False, parser_name)
+        if choice == "auto" and (refusal := tool_format.auto_error()) is not None:
+            raise errors.invalid_request(refusal, "tool_choice")
+        return cls(tuple(tools), choice, function_name, parallel_tool_calls is not False, tool_format.parser_name)
 
     @property
     def forced(self) -> bool:
@@ -103,7 +105,7 @@ class ToolRequest:
         """A fresh parser for one choice of the answer."""
         if self.forced:
             return ForcedParser(self.function_name)
-        parser = PARSERS[self.parser_name]()
+        parser = PARSERS[self.parser_name].for_tools(self.tools)
         return parser if self.parallel else _FirstCallOnly(parser)
 
     def _function(self, name: str) -> dict:
@@ -176,15 +178,64 @@ _LLAMA3_INSTRUCTIONS = (
     "<tool_response></tool_response> tags.")
 
 
-def _call_as_text(call: dict, parser_name: str) -> str:
-    function = call.get("function", call)
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        arguments = loads_bounded(arguments, default=arguments)   # not JSON, or too deep: written as text
+_MISTRAL_INSTRUCTIONS = (
+    "You may call functions to answer the user. The available functions, one JSON schema per line:\n{tools}\n\n"
+    'To call functions, answer with [TOOL_CALLS] followed by a JSON list of objects {{"name": <function name>, '
+    '"arguments": <arguments object>}}, one per call. Function results come back between '
+    "<tool_response></tool_response> tags.")
+_PYTHONIC_INSTRUCTIONS = (
+    "You may call functions to answer the user. The available functions, one JSON schema per line:\n{tools}\n\n"
+    "To call functions, answer with only a Python list of calls with keyword arguments, "
+    "[func_name1(param1=value1, param2=value2), func_name2(param=value)]. Function results come back between "
+    "<tool_response></tool_response> tags.")
+_QWEN3_CODER_INSTRUCTIONS = (
+    "You may call one or more functions to answer the user. Each available function is described by a JSON "
+    "schema between <tools></tools> tags:\n<tools>\n{tools}\n</tools>\n\nTo call a function, answer with\n"
+    "<tool_call>\n<function=function_name>\n<parameter=parameter_name>\nvalue\n</parameter>\n</function>\n"
+    "</tool_call>\none <tool_call> per call. Function results come back between <tool_response></tool_response> "
+    "tags.")
+_INSTRUCTIONS = {"hermes": _HERMES_INSTRUCTIONS, "llama3_json": _LLAMA3_INSTRUCTIONS,
+                 "mistral": _MISTRAL_INSTRUCTIONS, "pythonic": _PYTHONIC_INSTRUCTIONS,
+                 "qwen3_coder": _QWEN3_CODER_INSTRUCTIONS}
+
+
+def _python_literal(value) -> str:
+    """A JSON value as Python source (True, False, None where JSON says true, false, null)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_python_literal(v)}"
+                               for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_python_literal, value)) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _calls_as_text(calls: list[dict], parser_name: str) -> str:
+    """An assistant turn's tool calls written as the parser reads them."""
+    named = []
+    for call in calls:
+        function = call.get("function", call)
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            arguments = loads_bounded(arguments, default=arguments)   # not JSON, or too deep: written as text
+        named.append((function.get("name"), arguments))
     if parser_name == "llama3_json":
-        return json.dumps({"name": function.get("name"), "parameters": arguments}, ensure_ascii=False)
-    return "<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments},
-                                        ensure_ascii=False) + "\n</tool_call>"
+        return "; ".join(json.dumps({"name": n, "parameters": a}, ensure_ascii=False) for n, a in named)
+    if parser_name == "mistral":
+        return "[TOOL_CALLS]" + json.dumps([{"name": n, "arguments": a} for n, a in named], ensure_ascii=False)
+    if parser_name == "pythonic":
+        return "[" + ", ".join(
+            f"{n}(" + ", ".join(f"{k}={_python_literal(v)}" for k, v in a.items()) + ")" if isinstance(a, dict)
+            else f"{n}({a!r})" for n, a in named) + "]"
+    if parser_name == "qwen3_coder":
+        return "\n".join(
+            f"<tool_call>\n<function={n}>\n" + "".join(
+                f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)}\n</parameter>\n"
+                for k, v in (a.items() if isinstance(a, dict) else ())) + "</function>\n</tool_call>"
+            for n, a in named)
+    return "\n".join("<tool_call>\n" + json.dumps({"name": n, "arguments": a}, ensure_ascii=False) + "\n</tool_call>"
+                     for n, a in named)
 
 
 def describe_tools(messages: list[dict], tools: tuple[dict, ...] | None, parser_name: str) -> list[dict]:
@@ -198,14 +249,13 @@ def describe_tools(messages: list[dict], tools: tuple[dict, ...] | None, parser_
             content = message.get("content") or ""
             out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
         elif role == "assistant" and message.get("tool_calls"):
-            separator = "; " if parser_name == "llama3_json" else "\n"
-            calls = separator.join(_call_as_text(c, parser_name) for c in message["tool_calls"])
+            calls = _calls_as_text(message["tool_calls"], parser_name)
             content = message.get("content") or ""
             out.append({"role": "assistant", "content": f"{content}\n\n{calls}" if content else calls})
         else:
             out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
     if tools:
-        template = _LLAMA3_INSTRUCTIONS if parser_name == "llama3_json" else _HERMES_INSTRUCTIONS
+        template = _INSTRUCTIONS.get(parser_name, _HERMES_INSTRUCTIONS)
         text = template.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
         if out and out[0]["role"] == "system":
             out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}" if out[0]["content"] else text}

@@ -130,12 +130,12 @@ def test_serve_forwards_the_public_api_flags_that_differ_from_the_defaults():
     assert public_api_flags(parse()) == []
     given = ["--max-waiting", "7", "--max-sub-requests", "3", "--max-prompt-chars", "1000",
              "--max-request-body-bytes", "4096", "--allowed-hosts", "api.example:8000",
-             "--tool-call-parser", "hermes", "--enable-auto-tool-choice"]
+             "--tool-call-parser", "hermes", "--no-enable-auto-tool-choice"]
     flags = public_api_flags(parse(*given))
     assert sorted(flags) == sorted(given)
     config = router_args(["--model", "m", *flags])
     assert (config.max_waiting, config.max_sub_requests, config.max_prompt_chars, config.max_request_body_bytes,
-            config.tool_call_parser, config.enable_auto_tool_choice) == (7, 3, 1000, 4096, "hermes", True)
+            config.tool_call_parser, config.enable_auto_tool_choice) == (7, 3, 1000, 4096, "hermes", False)
 
 
 def test_local_prefill_is_on_by_default_only_on_one_cpu_node():

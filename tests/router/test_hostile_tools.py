@@ -25,6 +25,7 @@ from router.errors import RouterError
 from router.json_limits import MAX_JSON_DEPTH, json_depth, loads_bounded
 from router.tool_calls import ForcedParser, HermesParser, Llama3JsonParser
 from router.tool_choice import MAX_TOOLS, ToolRequest, check_tools, prompt_inputs
+from router.tool_formats import ToolFormat
 from tests.router.conftest import start_fake_cluster, stop_fake_cluster
 
 CHAT = "/v1/chat/completions"
@@ -174,10 +175,14 @@ def test_the_tool_checks_are_linear_in_the_number_of_tools(monkeypatch):
     assert time.monotonic() - start < 20
 
 
+HERMES = ToolFormat("hermes", "test", True, frozenset())
+NO_PARSER = ToolFormat("", "test", False, frozenset())
+
+
 def test_from_openai_names_tools_for_each_bound():
     def refused(tools: list[dict]) -> str:
         with pytest.raises(RouterError) as info:
-            ToolRequest.from_openai(tools, "none", None, "hermes", True)
+            ToolRequest.from_openai(tools, "none", None, HERMES)
         assert info.value.param == "tools"
         return str(info.value)
 
@@ -185,7 +190,7 @@ def test_from_openai_names_tools_for_each_bound():
     assert "1 to 64 characters" in refused([tool("n" * 65)])
     assert "two tools are named 'f'" in refused([tool("f"), tool("f")])
     assert "nested more than 128 levels deep" in refused([tool("f", nested(MAX_JSON_DEPTH))])
-    assert ToolRequest.from_openai([tool("f", nested(MAX_JSON_DEPTH - 4))], "required", None, "", False).forced
+    assert ToolRequest.from_openai([tool("f", nested(MAX_JSON_DEPTH - 4))], "required", None, NO_PARSER).forced
 
 
 def test_a_template_that_renders_tools_gets_deep_arguments_as_text():

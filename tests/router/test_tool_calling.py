@@ -1,15 +1,19 @@
 """Tool calling over the OpenAI HTTP API, with the official openai client, against a fake
 prefill worker and a decode worker scripted to answer like a hermes-format model
-(tests/router/scripted_decode.py): a two-turn conversation (call, tool result, answer),
-streaming deltas equal to the non-streamed answer, tool_choice none / named, and the 400s."""
+(tests/router/scripted_decode.py): a two-turn conversation (call, tool result, answer) with
+tool_choice left at its default against a router started with no tool flags (the parser comes
+from the chat template), streaming deltas equal to the non-streamed answer, tool_choice none /
+named, the other formats through the router, and the 400s."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
 import openai
 import pytest
 
+from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import Router
 from tests.router.conftest import MODEL
@@ -29,26 +33,34 @@ CALL_REPLY = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "argumen
 ANSWER_REPLY = "It is 18 degrees Celsius in Paris right now."
 
 
-@pytest.fixture(scope="module")
-def cluster(loop_thread, tokenizer):
+@contextlib.contextmanager
+def scripted_router(loop_thread, tokenizer, **router_options):
+    """A router over a fake prefill and a scripted decode worker: (router, the decode servicer)."""
     async def start():
         prefill = await FakeWorker("prefill", max_model_len=4096).start()
         decode = await scripted_decode_worker().start()
         config = RouterConfig(model=MODEL, http_port=0, grpc_port=0, prefill=(prefill.address,),
-                              decode=(decode.address,), heartbeat_interval_s=0.2, tool_call_parser="hermes",
-                              enable_auto_tool_choice=True)
+                              decode=(decode.address,), heartbeat_interval_s=0.2, **router_options)
         router = await Router(config, tokenizer).start()
         await router.registry.wait_healthy("prefill", 1)
         await router.registry.wait_healthy("decode", 1)
         return router, prefill, decode
 
     router, prefill, decode = loop_thread.run(start())
-    yield router, decode.servicer
-    async def stop():
-        await router.stop()
-        await prefill.stop()
-        await decode.stop()
-    loop_thread.run(stop())
+    try:
+        yield router, decode.servicer
+    finally:
+        async def stop():
+            await router.stop()
+            await prefill.stop()
+            await decode.stop()
+        loop_thread.run(stop())
+
+
+@pytest.fixture(scope="module")
+def cluster(loop_thread, tokenizer):
+    with scripted_router(loop_thread, tokenizer) as started:   # no tool flags: tandem serve's defaults
+        yield started
 
 
 @pytest.fixture()
@@ -201,3 +213,71 @@ def test_bad_tool_requests_are_400(client, decode, kwargs, param, message):
     with pytest.raises(openai.BadRequestError, match=re.escape(message)) as info:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **kwargs)
     assert info.value.body["param"] == param and not decode.prompts
+
+
+def test_the_router_reads_its_parser_from_the_chat_template(cluster):
+    router, _ = cluster
+    assert (router.config.tool_call_parser, router.config.enable_auto_tool_choice) == ("", True)
+    # SmolLM2's template renders no tools: the router describes them in hermes' format and reads that.
+    assert router.frontend.tool_format.parser_name == "hermes"
+
+
+@pytest.mark.parametrize("parser,reply", [
+    ("mistral", 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_time", "arguments": {"timezone": "UTC"}}]'),
+    ("pythonic", 'Checking.\n[get_weather(city="Paris"), get_time(timezone="UTC")]'),
+    ("qwen3_coder", "Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=timezone>\nUTC\n"
+                    "</parameter>\n</function>\n</tool_call>"),
+    ("llama3_json", 'Checking.\n{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                    '{"name": "get_time", "parameters": {"timezone": "UTC"}}'),
+])
+def test_each_format_through_the_router_streamed_and_not(loop_thread, tokenizer, parser, reply):
+    with scripted_router(loop_thread, tokenizer, tool_call_parser=parser) as (router, decode):
+        client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused", max_retries=0)
+        script(decode, tokenizer, reply, reply)
+        messages = [{"role": "user", "content": "Weather and time in Paris?"}]
+        full = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL])
+        chunks = list(client.chat.completions.create(model=MODEL, messages=messages,
+                                                     tools=[WEATHER_TOOL, TIME_TOOL], stream=True))
+        # The template renders no tools: they were described in this parser's format.
+        prompt = tokenizer.decode(decode.prompts[0], skip_special_tokens=False)
+    choice = full.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "UTC"})]
+    assert choice.message.content == ("Checking." if reply.startswith("Checking") else None)
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name) for d in deltas if d.id] == [(0, "get_weather"), (1, "get_time")]
+    assert [d.function.arguments for d in deltas if not d.id] == [c.function.arguments
+                                                                  for c in choice.message.tool_calls]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (choice.message.content or "")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    marker = {"mistral": "[TOOL_CALLS]", "pythonic": "[func_name1(", "qwen3_coder": "<function=function_name>",
+              "llama3_json": '"parameters"'}[parser]
+    assert marker in prompt
+
+
+def test_auto_off_or_no_parser_known_is_a_clear_400(loop_thread, tokenizer):
+    with scripted_router(loop_thread, tokenizer, enable_auto_tool_choice=False) as (router, decode):
+        client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="--no-enable-auto-tool-choice") as info:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           tools=[WEATHER_TOOL])
+        assert info.value.body["param"] == "tool_choice" and not decode.prompts
+    # A template that renders tools in a format no parser knows: "auto" names the flag to pass.
+    unknown = Tokenizer(tokenizer.backend, bos_token_id=tokenizer.bos_token_id,
+                        eos_token_id=min(tokenizer.eos_token_ids),
+                        chat_template="{% for m in messages %}{{ m.content }}{% endfor %}{{ tools | tojson }}")
+    with scripted_router(loop_thread, unknown) as (router, decode):
+        client = openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match=re.escape("start the router with --tool-call-parser "
+                                                                   "{hermes,llama3_json,mistral,pythonic,")):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                           tools=[WEATHER_TOOL])
+        script(decode, tokenizer, '{"city": "Paris"}')   # a named function needs no parser
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                             tools=[WEATHER_TOOL],
+                                             tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        assert out.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'

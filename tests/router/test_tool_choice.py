@@ -13,6 +13,7 @@ from engine.tokenizer import Tokenizer
 from router.errors import RouterError
 from router.tool_calls import ForcedParser
 from router.tool_choice import AnswerReader, ToolRequest, describe_tools, prompt_inputs
+from router.tool_formats import ToolFormat
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -21,7 +22,7 @@ CLOCK = {"type": "function", "function": {"name": "get_time"}}
 
 
 def request(tool_choice=None, tools=(WEATHER, CLOCK), parallel=None, parser="hermes", auto=True):
-    return ToolRequest.from_openai(list(tools), tool_choice, parallel, parser, auto)
+    return ToolRequest.from_openai(list(tools), tool_choice, parallel, ToolFormat(parser, "test", auto, frozenset()))
 
 
 def test_choices_and_their_defaults():
@@ -41,8 +42,9 @@ def test_choices_and_their_defaults():
     ({"tool_choice": "required", "tools": ()}, 'tool_choice "required" needs tools'),
     ({"tool_choice": {"type": "function", "function": {"name": "x"}}}, "function 'x', which is not in tools"),
     ({"tools": (WEATHER, WEATHER)}, "two tools are named 'get_weather'"),
-    ({"auto": False}, "--enable-auto-tool-choice"),
-    ({"parser": "", "auto": False}, "--enable-auto-tool-choice"),
+    ({"auto": False}, 'tool_choice "auto" is off on this router (--no-enable-auto-tool-choice)'),
+    ({"parser": ""}, 'tool_choice "auto" needs a tool-call parser, and test: start the router with '
+                     "--tool-call-parser {hermes,llama3_json,mistral,pythonic,qwen3_coder}"),
 ])
 def test_requests_that_cannot_hold_are_400(kwargs, message):
     with pytest.raises(RouterError, match=re.escape(message)) as info:
@@ -165,7 +167,10 @@ def test_router_flags():
     from router.config import RouterConfig
     config = parse_args(["--tool-call-parser", "llama3_json", "--enable-auto-tool-choice"])
     assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("llama3_json", True)
-    with pytest.raises(ValueError, match="tool_call_parser='mistral'"):
-        RouterConfig(tool_call_parser="mistral")
-    with pytest.raises(ValueError, match="enable_auto_tool_choice needs a tool_call_parser"):
-        RouterConfig(enable_auto_tool_choice=True)
+    # Out of the box: the parser comes from the chat template and "auto" is on.
+    config = parse_args([])
+    assert (config.tool_call_parser, config.enable_auto_tool_choice) == ("", True)
+    assert parse_args(["--no-enable-auto-tool-choice"]).enable_auto_tool_choice is False
+    assert parse_args(["--tool-call-parser", "mistral"]).tool_call_parser == "mistral"
+    with pytest.raises(ValueError, match="tool_call_parser='granite'"):
+        RouterConfig(tool_call_parser="granite")
