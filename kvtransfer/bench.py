@@ -3,9 +3,10 @@
 ``python -m kvtransfer.bench --json`` moves a SmolLM2-shaped request (30 layers, 3 KV heads,
 head_dim 64, bfloat16, block_size 16) of 1k and 8k tokens and prints, as its last line, one
 JSON object: ``memcpy_gbps`` (in-process copy of the same bytes), ``shm_gbps``, ``tcp_gbps``,
-``zmq_raw_gbps`` (plain ZeroMQ PUSH/PULL of the same frames between two processes) and
-``request_latency_ms`` for a 1k-token request per backend. Senders run in a child process
-(``--child``) driven by lines on its stdin; the parent times from the "go" line until the
+``zmq_raw_gbps`` (plain ZeroMQ PUSH/PULL of the same frames between two processes), ``nixl_gbps``
+when NIXL is installed (over the transports UCX picks: shared memory on one host unless
+``UCX_TLS=tcp,self`` says TCP) and ``request_latency_ms`` for a 1k-token request per backend.
+Senders run in a child process (``--child``) driven by lines on its stdin; the parent times from the "go" line until the
 receiver reports the request done (or the last raw frame arrived). GB/s are 1e9 bytes/s.
 """
 from __future__ import annotations
@@ -150,6 +151,8 @@ def bench_side_by_side(tokens: list[int], base_iters: int) -> dict[str, dict[int
         runners["shm"] = _Backend("shm", max_tokens)
         runners["zmq_raw"] = _ZmqRaw(max_tokens)
         runners["tcp"] = _Backend("tcp", max_tokens)
+        if _has_nixl():
+            runners["nixl"] = _Backend("nixl", max_tokens)
         times: dict[str, dict[int, list[float]]] = {k: {} for k in runners}
         for num_tokens in tokens:
             for i in range(_iters(num_tokens, base_iters) + 2):
@@ -161,6 +164,15 @@ def bench_side_by_side(tokens: list[int], base_iters: int) -> dict[str, dict[int
     finally:
         for runner in runners.values():
             runner.close()
+
+
+def _has_nixl() -> bool:
+    try:
+        from .nixl import bindings
+        bindings()
+    except ImportError:
+        return False
+    return True
 
 
 def bench_fake_latency(num_tokens: int, iters: int) -> list[float]:
@@ -249,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, by_tokens in gbps.items():
         result[f"{name}_gbps"] = {str(t): round(_request_nbytes(t) / med(ts) / 1e9, 3)
                                   for t, ts in by_tokens.items()}
-        if name in ("shm", "tcp"):
+        if name in ("shm", "tcp", "nixl"):
             lat[name] = med(by_tokens[tokens[0]]) * 1e3
     result["request_latency_ms"] = {k: round(v, 3) for k, v in lat.items()}
     result["ratio_shm_vs_memcpy"] = {t: round(result["shm_gbps"][t] / result["memcpy_gbps"][t], 3)
