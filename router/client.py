@@ -13,10 +13,22 @@ all of them, batched per message), or one call each with ``multiplex=False``. Sa
 temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, frequency_penalty,
 seed, max_tokens, ignore_eos, logprobs, stop (str or list), stop_token_ids. Failures raise a
 ``TandemError`` subclass carrying the gRPC status code.
+
+Tools, in the OpenAI shape (the router's parser reads the calls out of the output)::
+
+    out = client.chat(messages, tools=[{"type": "function", "function": {"name": "get_weather",
+                                        "parameters": {"type": "object", "properties": {...}}}}])
+    if out.finish_reason == "tool_calls":
+        messages += [{"role": "assistant", "content": out.text, "tool_calls": out.tool_calls_openai()},
+                     {"role": "tool", "tool_call_id": out.tool_calls[0].id, "content": "18 C"}]
+
+``tool_choice`` is "auto" (the default with tools), "none", "required", or OpenAI's
+``{"type": "function", "function": {"name": ...}}``; ``parallel_tool_calls`` as in OpenAI.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,12 +77,23 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str                                      # a JSON object, as text
+
+    def to_openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
 class Chunk:
-    text: str
+    text: str                                           # with tools: content only
     token_ids: list[int]
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: list[Any] = field(default_factory=list)   # tandem_pb2.TokenLogprob
+    tool_calls: list[ToolCall] = field(default_factory=list)   # the calls completed in this chunk
 
 
 @dataclass(frozen=True)
@@ -80,6 +103,11 @@ class Completion:
     finish_reason: str
     usage: Usage
     logprobs: list[Any] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+    def tool_calls_openai(self) -> list[dict]:
+        """The calls as an assistant message's ``tool_calls`` (for the next turn)."""
+        return [c.to_openai() for c in self.tool_calls]
 
 
 def _sampling(options: dict[str, Any]) -> tandem_pb2.Sampling:
@@ -101,23 +129,46 @@ def _completion_request(prompt: str | Sequence[int], model: str, request_id: str
     return request
 
 
-def _chat_request(messages: Sequence[dict], model: str, request_id: str, options: dict[str, Any]):
-    return tandem_pb2.ChatRequest(model=model, sampling=_sampling(options), request_id=request_id,
-                                  messages=[tandem_pb2.ChatMessage(role=m["role"], content=m["content"])
-                                            for m in messages])
+def _message(m: dict) -> tandem_pb2.ChatMessage:
+    calls = [tandem_pb2.ToolCall(id=c.get("id", ""), name=c["function"]["name"],
+                                 arguments=c["function"].get("arguments") or "{}") for c in m.get("tool_calls") or ()]
+    return tandem_pb2.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+                                  tool_call_id=m.get("tool_call_id") or "")
+
+
+def _tool(tool: dict) -> tandem_pb2.Tool:
+    function = tool.get("function", tool)
+    parameters = function.get("parameters")
+    return tandem_pb2.Tool(name=function["name"], description=function.get("description") or "",
+                           parameters=json.dumps(parameters) if parameters is not None else "")
+
+
+def _chat_request(messages: Sequence[dict], model: str, request_id: str, options: dict[str, Any],
+                  tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+                  parallel_tool_calls: bool | None = None) -> tandem_pb2.ChatRequest:
+    request = tandem_pb2.ChatRequest(model=model, sampling=_sampling(options), request_id=request_id,
+                                     messages=[_message(m) for m in messages], tools=[_tool(t) for t in tools or ()],
+                                     parallel_tool_calls=parallel_tool_calls)
+    if isinstance(tool_choice, dict):
+        request.tool_choice_function = tool_choice["function"]["name"]
+    elif tool_choice:
+        request.tool_choice = tool_choice
+    return request
 
 
 def _chunk(msg: tandem_pb2.CompletionChunk) -> Chunk:
     usage = None
     if msg.finish_reason:
         usage = Usage(msg.usage.prompt_tokens, msg.usage.completion_tokens, msg.usage.cached_tokens)
-    return Chunk(msg.text, list(msg.token_ids), msg.finish_reason or None, usage, list(msg.logprobs))
+    return Chunk(msg.text, list(msg.token_ids), msg.finish_reason or None, usage, list(msg.logprobs),
+                 [ToolCall(c.id, c.name, c.arguments) for c in msg.tool_calls])
 
 
 def _join(chunks: list[Chunk]) -> Completion:
     last = chunks[-1]
     return Completion("".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids],
-                      last.finish_reason or "", last.usage or Usage(0, 0), [lp for c in chunks for lp in c.logprobs])
+                      last.finish_reason or "", last.usage or Usage(0, 0), [lp for c in chunks for lp in c.logprobs],
+                      [call for c in chunks for call in c.tool_calls])
 
 
 def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -151,11 +202,15 @@ class TandemClient:
     def generate(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> Completion:
         return _join(list(self.generate_stream(prompt, request_id, **sampling)))
 
-    def chat_stream(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Iterator[Chunk]:
-        return self._stream(self._stub.Chat, _chat_request(messages, self.model, request_id, sampling))
+    def chat_stream(self, messages: Sequence[dict], request_id: str = "", *, tools: Sequence[dict] | None = None,
+                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                    **sampling) -> Iterator[Chunk]:
+        return self._stream(self._stub.Chat, _chat_request(messages, self.model, request_id, sampling, tools,
+                                                           tool_choice, parallel_tool_calls))
 
-    def chat(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Completion:
-        return _join(list(self.chat_stream(messages, request_id, **sampling)))
+    def chat(self, messages: Sequence[dict], request_id: str = "", **options) -> Completion:
+        """``options``: sampling keywords and ``tools``, ``tool_choice``, ``parallel_tool_calls``."""
+        return _join(list(self.chat_stream(messages, request_id, **options)))
 
     def _unary(self, method, request):
         try:
@@ -329,14 +384,17 @@ class AsyncTandemClient:
     async def generate(self, prompt: str | Sequence[int], request_id: str = "", **sampling) -> Completion:
         return _join([c async for c in self.generate_stream(prompt, request_id, **sampling)])
 
-    def chat_stream(self, messages: Sequence[dict], request_id: str = "", **sampling) -> AsyncIterator[Chunk]:
-        request = _chat_request(messages, self.model, request_id, sampling)
+    def chat_stream(self, messages: Sequence[dict], request_id: str = "", *, tools: Sequence[dict] | None = None,
+                    tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+                    **sampling) -> AsyncIterator[Chunk]:
+        request = _chat_request(messages, self.model, request_id, sampling, tools, tool_choice, parallel_tool_calls)
         if self._multiplex is not None:
             return self._multiplexed(request)
         return self._stream(self._stub.Chat, request)
 
-    async def chat(self, messages: Sequence[dict], request_id: str = "", **sampling) -> Completion:
-        return _join([c async for c in self.chat_stream(messages, request_id, **sampling)])
+    async def chat(self, messages: Sequence[dict], request_id: str = "", **options) -> Completion:
+        """``options``: sampling keywords and ``tools``, ``tool_choice``, ``parallel_tool_calls``."""
+        return _join([c async for c in self.chat_stream(messages, request_id, **options)])
 
     async def _unary(self, method, request):
         try:

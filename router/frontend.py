@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.sampling import prepare_sampling, unencodable
 from router.text_stream import TextStream
+from router.tool_calls import ToolCall
 from router.tool_choice import ToolRequest, prompt_inputs
 from router.tool_formats import ToolFormat
 
@@ -42,6 +43,7 @@ class PreparedRequest:
     params: worker_pb2.SamplingParams
     stop: tuple[str, ...]
     keep_token_ids: frozenset[int] = frozenset()   # special tokens kept in the text (tool-call markers)
+    tools: ToolRequest | None = None               # a chat request's tools: how its output is read
 
 
 @dataclass
@@ -58,6 +60,7 @@ class TextChunk:
     logprobs: list[worker_pb2.TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)   # read out of the text by a tool-call parser
 
 
 class Frontend:
@@ -155,9 +158,10 @@ class Frontend:
         messages, template_tools = prompt_inputs(messages, tools, self.tokenizer.template_takes_tools,
                                                  self.tool_format.parser_name)
         prepared = self._prepare_chat(messages, sampling, request_id, default_max_tokens, template_tools)
-        if tools is not None and not tools.forced and self.tool_format.marker_token_ids:
-            prepared = dataclasses.replace(prepared, keep_token_ids=self.tool_format.marker_token_ids)
-        return prepared
+        if tools is None:
+            return prepared
+        keep = self.tool_format.marker_token_ids if not tools.forced else frozenset()
+        return dataclasses.replace(prepared, keep_token_ids=keep, tools=tools)
 
     def _prepare_chat(self, messages: list[dict], sampling: tandem_pb2.Sampling, request_id: str,
                       default_max_tokens: int | None, tools: list[dict] | None) -> PreparedRequest:

@@ -49,6 +49,8 @@ from router import errors
 from router.cluster import cluster_view
 from router.dispatch import Dispatch
 from router.frontend import Frontend, PreparedRequest, TextChunk
+from router.grpc_tools import chat_messages, fill_tool_calls, read_tool_calls, tool_request
+from router.tool_choice import AnswerReader
 
 logger = logging.getLogger(__name__)
 SERVICE_NAME = tandem_pb2.DESCRIPTOR.services_by_name["Tandem"].full_name
@@ -72,6 +74,7 @@ def fill_chunk(msg: tandem_pb2.CompletionChunk, request_id: str, chunk: TextChun
         msg.logprobs.append(tandem_pb2.TokenLogprob(
             token_id=lp.token_id, logprob=lp.logprob,
             top=[tandem_pb2.TopLogprob(token_id=t, logprob=v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]))
+    fill_tool_calls(msg, chunk)
     if chunk.finish_reason:
         msg.finish_reason = chunk.finish_reason
         u = chunk.usage
@@ -132,12 +135,19 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             def prepare() -> PreparedRequest:
                 frontend.check_model(request.model)
                 frontend.check_num_messages(len(request.messages))   # before a dict is built per message
-                messages = [{"role": m.role, "content": m.content} for m in request.messages]
-                return frontend.prepare_chat(messages, request.sampling, request.request_id)
+                tools, sampling = tool_request(frontend, request), request.sampling
+                if tools is not None and tools.forced:
+                    sampling = tandem_pb2.Sampling()
+                    sampling.CopyFrom(request.sampling)
+                    tools.constrain(sampling)
+                return frontend.prepare_chat(chat_messages(request), sampling, request.request_id, tools=tools)
             # Counted before summed: the sum itself walks every message.
-            if len(request.messages) > INLINE_MESSAGES:
+            if len(request.messages) > INLINE_MESSAGES or len(request.tools) > INLINE_MESSAGES:
                 return prepare, False
-            num_chars = sum(len(m.content) + len(m.role) for m in request.messages)
+            if request.tools or any(m.tool_calls for m in request.messages):
+                num_chars = request.ByteSize()   # in C: a message's calls are not counted before they are walked
+            else:
+                num_chars = sum(len(m.content) + len(m.role) for m in request.messages)
         else:
             def prepare() -> PreparedRequest:
                 frontend.check_model(request.model)
@@ -157,8 +167,9 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         await _refuse_undecodable(request, context)
         try:
             prepared = await self.prepare(request)
+            reader = AnswerReader(prepared.tools) if prepared.tools is not None else None
             async for chunk in self.frontend.stream(prepared):
-                yield chunk_to_proto(prepared.request_id, chunk)
+                yield chunk_to_proto(prepared.request_id, read_tool_calls(reader, chunk))
         except errors.RouterError as exc:
             await context.abort(exc.grpc_code, exc.message)
         except Exception:  # noqa: BLE001 - a clean status instead of a dropped stream
@@ -305,9 +316,11 @@ class Multiplexed:
                 prepared, dispatch = await self._servicer.prepare(request), None
             else:
                 prepared, dispatch = opened
+            reader = AnswerReader(prepared.tools) if prepared.tools is not None else None
             # aclosing: a cancel while this waits for a write still aborts the request at once.
             async with contextlib.aclosing(self._servicer.frontend.stream(prepared, dispatch)) as chunks:
                 async for chunk in chunks:
+                    chunk = read_tool_calls(reader, chunk)
                     self._events.append((key, prepared.request_id, chunk, None, ""))
                     self._wake()
                     if chunk.finish_reason:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xb4\x04\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\r\n\x0b_cache_salt\"\x93\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x87\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x05 \x01(\t\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa0\x01\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xa9\x01\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\x13\n\x11GetClusterRequest\"\x8f\x02\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\x04\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\">\n\x12GetClusterResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\"\x84\x01\n\x0eMultiplexStart\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x32\n\ncompletion\x18\x02 \x01(\x0b\x32\x1c.tandem.v1.CompletionRequestH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.tandem.v1.ChatRequestH\x00\x42\t\n\x07request\"L\n\x10MultiplexRequest\x12(\n\x05start\x18\x01 \x03(\x0b\x32\x19.tandem.v1.MultiplexStart\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"k\n\x0eMultiplexEvent\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.CompletionChunk\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\">\n\x11MultiplexResponse\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.tandem.v1.MultiplexEvent2\xf0\x02\n\x06Tandem\x12\x46\n\x08Generate\x12\x1c.tandem.v1.CompletionRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12<\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12J\n\tMultiplex\x12\x1b.tandem.v1.MultiplexRequest\x1a\x1c.tandem.v1.MultiplexResponse(\x01\x30\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12I\n\nGetCluster\x12\x1c.tandem.v1.GetClusterRequest\x1a\x1d.tandem.v1.GetClusterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/tandem.proto\x12\ttandem.v1\"\xb4\x04\n\x08Sampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x07\x88\x01\x01\x12\x17\n\nmax_tokens\x18\t \x01(\x05H\x08\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\x05H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x03\x12\x38\n\x12structured_outputs\x18\x0e \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\r\n\x0b_cache_salt\"\x93\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12$\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x12.tandem.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x19\n\x07\x43hoices\x12\x0e\n\x06values\x18\x01 \x03(\t\"\x87\x01\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12%\n\x08sampling\x18\x04 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x05 \x01(\t\"k\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\'\n\ntool_calls\x18\x03 \x03(\x0b\x32\x13.tandem.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\xad\x02\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x08messages\x18\x02 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\x12%\n\x08sampling\x18\x03 \x01(\x0b\x32\x13.tandem.v1.Sampling\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x1d\n\x15\x61\x64\x64_generation_prompt\x18\x05 \x01(\x08\x12\x1e\n\x05tools\x18\x06 \x03(\x0b\x32\x0f.tandem.v1.Tool\x12\x13\n\x0btool_choice\x18\x07 \x01(\t\x12\x1c\n\x14tool_choice_function\x18\x08 \x01(\t\x12 \n\x13parallel_tool_calls\x18\t \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.tandem.v1.TopLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xd2\x01\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.tandem.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1f\n\x05usage\x18\x06 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\'\n\ntool_calls\x18\x07 \x03(\x0b\x32\x13.tandem.v1.ToolCall\"\x13\n\x11ListModelsRequest\"@\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\":\n\x12ListModelsResponse\x12$\n\x06models\x18\x01 \x03(\x0b\x32\x14.tandem.v1.ModelInfo\"\x13\n\x11GetClusterRequest\"\x8f\x02\n\x0cWorkerStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x14\n\x0cnum_inflight\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x08 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\t \x01(\x04\x12\x10\n\x08kv_usage\x18\n \x01(\x01\x12\x15\n\rmax_model_len\x18\x0b \x01(\r\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x14\n\x0cnum_requests\x18\r \x01(\x04\">\n\x12GetClusterResponse\x12(\n\x07workers\x18\x01 \x03(\x0b\x32\x17.tandem.v1.WorkerStatus\"\x84\x01\n\x0eMultiplexStart\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x32\n\ncompletion\x18\x02 \x01(\x0b\x32\x1c.tandem.v1.CompletionRequestH\x00\x12&\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x16.tandem.v1.ChatRequestH\x00\x42\t\n\x07request\"L\n\x10MultiplexRequest\x12(\n\x05start\x18\x01 \x03(\x0b\x32\x19.tandem.v1.MultiplexStart\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\"k\n\x0eMultiplexEvent\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12)\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1a.tandem.v1.CompletionChunk\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\r\n\x05\x65rror\x18\x04 \x01(\t\">\n\x11MultiplexResponse\x12)\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x19.tandem.v1.MultiplexEvent2\xf0\x02\n\x06Tandem\x12\x46\n\x08Generate\x12\x1c.tandem.v1.CompletionRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12<\n\x04\x43hat\x12\x16.tandem.v1.ChatRequest\x1a\x1a.tandem.v1.CompletionChunk0\x01\x12J\n\tMultiplex\x12\x1b.tandem.v1.MultiplexRequest\x1a\x1c.tandem.v1.MultiplexResponse(\x01\x30\x01\x12I\n\nListModels\x12\x1c.tandem.v1.ListModelsRequest\x1a\x1d.tandem.v1.ListModelsResponse\x12I\n\nGetCluster\x12\x1c.tandem.v1.GetClusterRequest\x1a\x1d.tandem.v1.GetClusterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,37 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COMPLETIONREQUEST']._serialized_start=782
   _globals['_COMPLETIONREQUEST']._serialized_end=917
   _globals['_CHATMESSAGE']._serialized_start=919
-  _globals['_CHATMESSAGE']._serialized_end=963
-  _globals['_CHATREQUEST']._serialized_start=966
-  _globals['_CHATREQUEST']._serialized_end=1126
-  _globals['_TOPLOGPROB']._serialized_start=1128
-  _globals['_TOPLOGPROB']._serialized_end=1175
-  _globals['_TOKENLOGPROB']._serialized_start=1177
-  _globals['_TOKENLOGPROB']._serialized_end=1262
-  _globals['_USAGE']._serialized_start=1264
-  _globals['_USAGE']._serialized_end=1344
-  _globals['_COMPLETIONCHUNK']._serialized_start=1347
-  _globals['_COMPLETIONCHUNK']._serialized_end=1516
-  _globals['_LISTMODELSREQUEST']._serialized_start=1518
-  _globals['_LISTMODELSREQUEST']._serialized_end=1537
-  _globals['_MODELINFO']._serialized_start=1539
-  _globals['_MODELINFO']._serialized_end=1603
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1605
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1663
-  _globals['_GETCLUSTERREQUEST']._serialized_start=1665
-  _globals['_GETCLUSTERREQUEST']._serialized_end=1684
-  _globals['_WORKERSTATUS']._serialized_start=1687
-  _globals['_WORKERSTATUS']._serialized_end=1958
-  _globals['_GETCLUSTERRESPONSE']._serialized_start=1960
-  _globals['_GETCLUSTERRESPONSE']._serialized_end=2022
-  _globals['_MULTIPLEXSTART']._serialized_start=2025
-  _globals['_MULTIPLEXSTART']._serialized_end=2157
-  _globals['_MULTIPLEXREQUEST']._serialized_start=2159
-  _globals['_MULTIPLEXREQUEST']._serialized_end=2235
-  _globals['_MULTIPLEXEVENT']._serialized_start=2237
-  _globals['_MULTIPLEXEVENT']._serialized_end=2344
-  _globals['_MULTIPLEXRESPONSE']._serialized_start=2346
-  _globals['_MULTIPLEXRESPONSE']._serialized_end=2408
-  _globals['_TANDEM']._serialized_start=2411
-  _globals['_TANDEM']._serialized_end=2779
+  _globals['_CHATMESSAGE']._serialized_end=1026
+  _globals['_TOOL']._serialized_start=1028
+  _globals['_TOOL']._serialized_end=1089
+  _globals['_TOOLCALL']._serialized_start=1091
+  _globals['_TOOLCALL']._serialized_end=1146
+  _globals['_CHATREQUEST']._serialized_start=1149
+  _globals['_CHATREQUEST']._serialized_end=1450
+  _globals['_TOPLOGPROB']._serialized_start=1452
+  _globals['_TOPLOGPROB']._serialized_end=1499
+  _globals['_TOKENLOGPROB']._serialized_start=1501
+  _globals['_TOKENLOGPROB']._serialized_end=1586
+  _globals['_USAGE']._serialized_start=1588
+  _globals['_USAGE']._serialized_end=1668
+  _globals['_COMPLETIONCHUNK']._serialized_start=1671
+  _globals['_COMPLETIONCHUNK']._serialized_end=1881
+  _globals['_LISTMODELSREQUEST']._serialized_start=1883
+  _globals['_LISTMODELSREQUEST']._serialized_end=1902
+  _globals['_MODELINFO']._serialized_start=1904
+  _globals['_MODELINFO']._serialized_end=1968
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1970
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2028
+  _globals['_GETCLUSTERREQUEST']._serialized_start=2030
+  _globals['_GETCLUSTERREQUEST']._serialized_end=2049
+  _globals['_WORKERSTATUS']._serialized_start=2052
+  _globals['_WORKERSTATUS']._serialized_end=2323
+  _globals['_GETCLUSTERRESPONSE']._serialized_start=2325
+  _globals['_GETCLUSTERRESPONSE']._serialized_end=2387
+  _globals['_MULTIPLEXSTART']._serialized_start=2390
+  _globals['_MULTIPLEXSTART']._serialized_end=2522
+  _globals['_MULTIPLEXREQUEST']._serialized_start=2524
+  _globals['_MULTIPLEXREQUEST']._serialized_end=2600
+  _globals['_MULTIPLEXEVENT']._serialized_start=2602
+  _globals['_MULTIPLEXEVENT']._serialized_end=2709
+  _globals['_MULTIPLEXRESPONSE']._serialized_start=2711
+  _globals['_MULTIPLEXRESPONSE']._serialized_end=2773
+  _globals['_TANDEM']._serialized_start=2776
+  _globals['_TANDEM']._serialized_end=3144
 # @@protoc_insertion_point(module_scope)
