@@ -93,9 +93,6 @@ class ArchConfig:
         if (self.moe is None) == (self.architecture in MOE_ARCHITECTURES):
             raise ValueError(f"{self.architecture} {'needs' if self.moe is None else 'takes no'} "
                              "mixture-of-experts settings")
-        if self.moe is not None and any(not 0 <= i < self.num_layers for i in self.moe.dense_layers):
-            raise ValueError(f"mlp_only_layers {list(self.moe.dense_layers)} name layers outside "
-                             f"0..{self.num_layers - 1}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in _ROPE_TYPES:
             raise ValueError(f"rope scaling type {rope_type!r} is not supported; use one of {_ROPE_TYPES}")

@@ -168,3 +168,11 @@ def test_an_expert_beyond_num_experts_is_refused(tiny_model_dir, make_llm, tmp_p
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.block_sparse_moe\.experts\.3\.w1\.weight' has no "
                                          r"place in MixtralForCausalLM \(3 experts"):
         make_llm(tmp_path)
+
+
+def test_the_simulated_engine_takes_an_moe_model_as_its_tokenizer_model(tiny_model_dir):
+    # sim_arch cuts the model to one layer; Qwen2-MoE's dense layer 1 is then simply not there.
+    from engine.sim.arch import sim_arch
+
+    arch = sim_arch(Checkpoint(resolve_model(str(tiny_model_dir("qwen2_moe")))).arch)
+    assert arch.num_layers == 1 and arch.moe is not None and arch.moe.is_sparse(0)
