@@ -462,20 +462,84 @@ static void reset_rows(scratch_t *s, int rows, int d) {
 
 /* ------------------------------------------------------------------------------ decode */
 
+/* One decode work item: sequence `seq`'s KV heads [first_kv_head, + heads_per_item). */
+static inline __attribute__((always_inline)) void decode_item(
+        scratch_t *sp, const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs, int seq,
+        int first_kv_head, int heads_per_item, int group, int d, float scale, int *status) {
+    scratch_t s = *sp;
+    const int32_t seq_len = seqs->seq_lens[seq];
+    const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
+    for (int h = 0; h < heads_per_item; h++)
+        load_queries(s.q + (int64_t)h * group * d, s.row, qs, seq, (first_kv_head + h) * group, group,
+                     group, d, scale * LOG2E);
+    reset_rows(&s, group * heads_per_item, d);
+    for (int32_t start = 0; start < seq_len; start += KEY_TILE) {
+        const int n = seq_len - start < KEY_TILE ? seq_len - start : KEY_TILE;
+        if (!blocks_valid(table, start, n, kv)) {
+#pragma omp atomic write
+            *status = ERR_BAD_BLOCK_ID;
+            break;
+        }
+        for (int h = 0; h < heads_per_item; h++) {
+            const int kv_head = first_kv_head + h, more = h == 0 ? heads_per_item - 1 : 0;
+            const int64_t rows = (int64_t)h * group;
+            tile_rows(s.k_rows, s.k_buf, kv, 0, table, start, n, kv_head, more);
+            for (int j = n; j % 16; j++) s.k_rows[j] = s.k_rows[0]; /* tile_dots reads 16 at a time */
+            tile_rows(s.v_rows, s.v_buf, kv, 1, table, start, n, kv_head, more);
+            tile_dots(s.scores + rows * KEY_TILE, s.q + rows * d, s.k_rows, group, n, d);
+            for (int r = rows; r < rows + group; r++)
+                s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, n, n, &s.running_max[r],
+                                          &s.running_sum[r]);
+            tile_values(s.acc + rows * d, s.alpha + rows, s.scores + rows * KEY_TILE, s.v_rows, group, n, d);
+        }
+    }
+    for (int h = 0; h < heads_per_item; h++)
+        store_outputs(qs, s.acc + (int64_t)h * group * d, s.running_sum + h * group, seq,
+                      (first_kv_head + h) * group, group, group, d);
+}
+
+
+/* order[0..n) := the sequences, longest context first (insertion sort: a batch is small). */
+static void longest_first(int32_t *order, const int32_t *lens, int n) {
+    for (int i = 0; i < n; i++) {
+        int j = i;
+        for (; j > 0 && lens[order[j - 1]] < lens[i]; j--) order[j] = order[j - 1];
+        order[j] = i;
+    }
+}
+
 /* One query token per sequence over its whole context: row i of the queries belongs to
  * sequence i. A work item is a sequence and a run of its KV heads, each read once for its whole
- * GQA group: all of them when there are sequences enough to keep every thread busy (a token's
- * heads lie side by side in the pool, so the item streams whole blocks), else one. */
+ * GQA group: all of them when there are sequences enough to keep every thread busy and no one
+ * context is more than a thread's share of all of them (a token's heads lie side by side in the
+ * pool, so the item streams whole blocks), else one. When the contexts' lengths are mixed (a
+ * long document among short chats), items go to the threads longest context first, each to the
+ * next free thread, so the threads end together instead of one finishing a long one alone. */
 int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs,
                         float scale, int32_t num_threads) {
     const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
     const int d = kv->head_dim;
     if (group < 1 || group * kv->num_kv_heads != qs->num_heads || d < 1) return ERR_BAD_SHAPE;
-    for (int s = 0; s < seqs->num_seqs; s++)
+    int64_t total_len = 0;
+    int32_t max_len = 0;
+    for (int s = 0; s < seqs->num_seqs; s++) {
         if (!context_valid(seqs, kv, s)) return ERR_BAD_SEQ_LEN;
-    const int heads_per_item = seqs->num_seqs >= 2 * num_threads ? kv->num_kv_heads : 1;
+        total_len += seqs->seq_lens[s];
+        if (seqs->seq_lens[s] > max_len) max_len = seqs->seq_lens[s];
+    }
+    const int heads_per_item = seqs->num_seqs >= 2 * num_threads && (int64_t)max_len * num_threads <= total_len
+                               ? kv->num_kv_heads : 1;
     const int items_per_seq = kv->num_kv_heads / heads_per_item;
     const int64_t num_items = (int64_t)seqs->num_seqs * items_per_seq;
+    /* Mixed lengths (the longest over twice the mean): longest first, each item to the next free
+     * thread. Else in order, in even shares: for equal contexts that measured up to 8% faster. */
+    const int mixed = seqs->num_seqs > 0 && (int64_t)max_len * seqs->num_seqs > 2 * total_len;
+    int32_t *order = NULL;
+    if (mixed) {
+        order = malloc(sizeof(int32_t) * seqs->num_seqs);
+        if (!order) return ERR_NO_MEMORY;
+        longest_first(order, seqs->seq_lens, seqs->num_seqs);
+    }
     int status = OK;
 
 #pragma omp parallel num_threads(num_threads)
@@ -486,43 +550,22 @@ int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t 
 #pragma omp atomic write
             status = ERR_NO_MEMORY;
         }
+        if (mixed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_items; item++)
+                if (ok) decode_item(&s, qs, kv, seqs, order[item / items_per_seq],
+                                    (int)(item % items_per_seq) * heads_per_item, heads_per_item, group, d, scale,
+                                    &status);
+        } else {
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < num_items; item++) {
-            if (!ok) continue;
-            const int seq = (int)(item / items_per_seq);
-            const int first_kv_head = (int)(item % items_per_seq) * heads_per_item;
-            const int32_t seq_len = seqs->seq_lens[seq];
-            const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
-            for (int h = 0; h < heads_per_item; h++)
-                load_queries(s.q + (int64_t)h * group * d, s.row, qs, seq, (first_kv_head + h) * group, group,
-                             group, d, scale * LOG2E);
-            reset_rows(&s, group * heads_per_item, d);
-            for (int32_t start = 0; start < seq_len; start += KEY_TILE) {
-                const int n = seq_len - start < KEY_TILE ? seq_len - start : KEY_TILE;
-                if (!blocks_valid(table, start, n, kv)) {
-#pragma omp atomic write
-                    status = ERR_BAD_BLOCK_ID;
-                    break;
-                }
-                for (int h = 0; h < heads_per_item; h++) {
-                    const int kv_head = first_kv_head + h, more = h == 0 ? heads_per_item - 1 : 0;
-                    const int64_t rows = (int64_t)h * group;
-                    tile_rows(s.k_rows, s.k_buf, kv, 0, table, start, n, kv_head, more);
-                    for (int j = n; j % 16; j++) s.k_rows[j] = s.k_rows[0]; /* tile_dots reads 16 at a time */
-                    tile_rows(s.v_rows, s.v_buf, kv, 1, table, start, n, kv_head, more);
-                    tile_dots(s.scores + rows * KEY_TILE, s.q + rows * d, s.k_rows, group, n, d);
-                    for (int r = rows; r < rows + group; r++)
-                        s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, n, n, &s.running_max[r],
-                                                  &s.running_sum[r]);
-                    tile_values(s.acc + rows * d, s.alpha + rows, s.scores + rows * KEY_TILE, s.v_rows, group, n, d);
-                }
-            }
-            for (int h = 0; h < heads_per_item; h++)
-                store_outputs(qs, s.acc + (int64_t)h * group * d, s.running_sum + h * group, seq,
-                              (first_kv_head + h) * group, group, group, d);
+            for (int64_t item = 0; item < num_items; item++)
+                if (ok) decode_item(&s, qs, kv, seqs, (int)(item / items_per_seq),
+                                    (int)(item % items_per_seq) * heads_per_item, heads_per_item, group, d, scale,
+                                    &status);
         }
         scratch_free(&s);
     }
+    free(order);
     return status;
 }
 
