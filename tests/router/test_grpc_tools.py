@@ -14,6 +14,9 @@ from router.client import AsyncTandemClient, InvalidArgument, TandemClient
 from tests.router.conftest import MODEL
 from tests.router.test_tool_calling import ANSWER_REPLY, CALL_REPLY, TIME_TOOL, WEATHER_TOOL, script, scripted_router
 
+DEEP: dict = {}
+for _ in range(200):
+    DEEP = {"type": "object", "properties": {"x": DEEP}}
 MESSAGES = [{"role": "user", "content": "What is the weather and the time in Paris?"}]
 
 
@@ -105,6 +108,8 @@ def test_tool_wire_types_round_trip():
 @pytest.mark.parametrize("tools,kwargs,message", [
     ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], {},
      "tools[0].parameters must be a JSON Schema object"),
+    ([{"type": "function", "function": {"name": "f", "parameters": DEEP}}], {},
+     "tools[0].parameters must be a JSON Schema object as JSON text (nested at most 128 deep)"),
     ([WEATHER_TOOL], {"tool_choice": "sometimes"}, "tool_choice must be one of ('auto', 'none', 'required')"),
     ([WEATHER_TOOL], {"tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice names function 'nope', which is not in tools"),

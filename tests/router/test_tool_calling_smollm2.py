@@ -1,8 +1,10 @@
-"""Tool calling end to end on the real SmolLM2-135M-Instruct: a router (hermes parser, auto tool
-choice on) over a real prefill and a real decode worker process, driven by the official openai
-client. SmolLM2-135M's template renders no tools, so the router describes them; a named or
-``required`` tool_choice is forced by the structured-output grammar, which makes the call
-reliable even on a model this small. Two turns: call (forced), tool result, answer."""
+"""Tool calling end to end on the real SmolLM2-135M-Instruct: a router started with no tool
+flags (the hermes parser picked from the chat template, auto tool choice on by default) over a
+real prefill and a real decode worker process, driven by the official openai client.
+SmolLM2-135M's template renders no tools, so the router describes them; a named or ``required``
+tool_choice is forced by the structured-output grammar, which makes the call reliable even on a
+model this small. Two turns: call (forced), tool result, answer; and two with tool_choice left
+at its default."""
 from __future__ import annotations
 
 import json
@@ -48,8 +50,7 @@ def client(smollm2_gguf, tmp_path_factory, loop_thread):  # noqa: F811 - the imp
     try:
         workers += [_worker("prefill", smollm2_gguf, logs), _worker("decode", smollm2_gguf, logs)]
         config = RouterConfig(model=str(smollm2_gguf), served_model_name=NAME, http_port=0, grpc_port=0,
-                              prefill=(workers[0].grpc,), decode=(workers[1].grpc,), heartbeat_interval_s=0.3,
-                              tool_call_parser="hermes", enable_auto_tool_choice=True)
+                              prefill=(workers[0].grpc,), decode=(workers[1].grpc,), heartbeat_interval_s=0.3)
 
         async def start():
             router = await Router(config, Tokenizer.from_gguf(smollm2_gguf)).start()
@@ -111,3 +112,25 @@ def test_required_choice_streamed_over_seeds(client):
         assert not "".join(c.choices[0].delta.content or "" for c in chunks)
         names.append(calls[0]["name"])
     print("required calls:", names)
+
+
+def test_default_tool_choice_two_turns(client):
+    """tool_choice left at its default ("auto") on both turns, as agent frameworks send it: 200s
+    whose calls (if the 135M model makes any) are well-formed and whose finish_reason says which."""
+    messages = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    for _ in range(2):
+        out = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER, TIME], max_tokens=60,
+                                             temperature=0)
+        choice = out.choices[0]
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == ("tool_calls" if calls else choice.finish_reason)
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        assert all(c.function.name in ("get_weather", "get_time") and isinstance(json.loads(c.function.arguments),
+                                                                                  dict) for c in calls)
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if calls:
+            messages += [{"role": "tool", "tool_call_id": c.id, "content": '{"temperature": 18}'} for c in calls]
+        else:
+            messages.append({"role": "user", "content": "Please check the weather tool."})
+        print("turn:", choice.finish_reason, [(c.function.name, c.function.arguments) for c in calls],
+              choice.message.content)
