@@ -1,12 +1,15 @@
 """A prefill worker + a decode worker give exactly what the colocated `LLM` gives.
 
 Real processes on the tiny random-weight Llama (tests/workers/conftest.py), KV pushed over
-kvtransfer's shm and tcp backends in turn. Greedy tokens, logprobs and seeded sampling must
+kvtransfer's shm, tcp and nixl backends in turn (nixl over UCX's TCP transport, as between
+nodes). Greedy tokens, logprobs and seeded sampling must
 equal the in-process `LLM` run on the same prompts (same dtype and block size): the prefill
 worker computes the prompt and samples the first token, the decode worker continues from the
 KV it received, so any misplaced block, layer or generator draw changes the tokens.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
@@ -19,9 +22,11 @@ LENGTHS = [3, 90, 17, 33, 64, 5, 48, 16, 81, 29, 12, 70, 9, 55, 40, 24]
 MAX_TOKENS = [5, 24, 12, 8, 20, 24, 6, 15, 10, 18, 24, 7, 22, 11, 16, 9]
 
 
-@pytest.fixture(scope="module", params=["shm", "tcp"])
+@pytest.fixture(scope="module", params=["shm", "tcp", "nixl"])
 def pair(request, spawn_module, tiny_dir):
     backend = request.param
+    if backend == "nixl":
+        os.environ.setdefault("UCX_TLS", "tcp,self")   # the workers inherit it: UCX over loopback TCP
     flags = [*pool_flags(), "--kv-backend", backend, "--log-interval-s", "1"]
     prefill = spawn_module("prefill", tiny_dir, *flags, name=f"prefill-{backend}")
     decode = spawn_module("decode", tiny_dir, *flags, name=f"decode-{backend}")
