@@ -63,8 +63,18 @@ class NixlTransferError(RuntimeError):
     """A NIXL transfer failed, timed out, or its peer is gone; the writer stays broken after it."""
 
 
+# UCX inside a Python process beside torch: no malloc/mmap hooks (NIXL registers each pool once;
+# the tcp and shared-memory transports keep no registration cache) and no signal handlers of its
+# own, so a crash stays Python's faulthandler's to report. A CI run's pytest process, with UCX
+# loaded by the nixl tests, once died of SIGSEGV later in an unrelated test with no report at all;
+# the cause was not found. An operator's own UCX settings win.
+UCX_PROCESS_ENV = {"UCX_MEM_MALLOC_HOOKS": "no", "UCX_MEM_EVENTS": "no", "UCX_ERROR_SIGNALS": ""}
+
+
 def bindings() -> ModuleType:
     """NIXL's C++ bindings: the meta package's, else the wheel for this torch's CUDA, else any."""
+    for key, value in UCX_PROCESS_ENV.items():
+        os.environ.setdefault(key, value)     # read by UCX when it loads, below
     cuda = (torch.version.cuda or "").split(".")[0]
     names = ["nixl", *(f"nixl_cu{m}" for m in dict.fromkeys((cuda, "12", "13")) if m)]
     for name in names:
