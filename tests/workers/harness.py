@@ -125,14 +125,18 @@ def collect(call) -> Result:
 
 def generate(prefill: Worker, decode: Worker, request_id: str, prompt: list[int],
              sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S) -> Result:
-    """What a router does: open Generate on D, Submit to P, read the stream to its end."""
+    """What a router does: open Generate on D, Submit to P, read the stream to its end.
+
+    A Submit refused ABORTED came after the pair's handshake had already failed the request (the
+    decode stream ends with that reason, so it is read); any other refusal cancels the stream."""
     call = open_generate(decode, prefill.grpc, request_id, prompt, sampling, timeout_s)
     submit_error = None
     try:
         submit(prefill, decode.grpc, request_id, prompt, sampling)
     except grpc.RpcError as exc:
         submit_error = exc
-        call.cancel()
+        if exc.code() != grpc.StatusCode.ABORTED:
+            call.cancel()
     result = collect(call)
     result.submit_error = submit_error
     return result

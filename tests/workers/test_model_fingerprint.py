@@ -64,7 +64,8 @@ def test_prefill_and_decode_of_different_kv_layouts_refuse_each_other(spawn, tin
     prefill = spawn("prefill", tiny_model_dir("llama"), *pool_flags(block_size=8), *LEASE_FLAGS, name="prefill-b8")
     decode = spawn("decode", tiny_model_dir("llama"), *pool_flags(), *LEASE_FLAGS, name="decode-b16")
     result = generate(prefill, decode, "other-layout-0", random_prompt(seed=6, num_tokens=40), greedy(4))
-    assert result.error is not None and result.error.code() == grpc.StatusCode.UNAVAILABLE
+    assert result.submit_error is None or result.submit_error.code() == grpc.StatusCode.ABORTED, result.submit_error
+    assert result.error is not None and result.error.code() == grpc.StatusCode.UNAVAILABLE, result.error
     details = result.error.details()
     assert "model fingerprints differ in kv" in details, details
     assert prefill.stats().fingerprint in details and decode.stats().fingerprint in details
