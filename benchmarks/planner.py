@@ -1,0 +1,257 @@
+"""The SLO planner against every static prefill:decode split (issue 28, item 4).
+
+A script, not a test. One trace, replayed against `tandem serve --engine sim` once per static
+split P:D of a worker budget (P + D = ``--budget``) and once with ``--planner --max-workers
+budget``; one table of SLO goodput and worker-seconds per phase and over the whole trace.
+
+**Time.** The simulated workers run the H100 profile (``--profile``) slowed ``--slowdown`` times
+(a copy of the profile with every step time multiplied, every prefill rate divided), because the
+H100's ~200 tokens/s per stream times hundreds of streams is more SSE than the router and the
+client on a 2-core machine can carry. Arrival rates and SLOs are given in the profile's own
+(H100) time and scaled here, and the table is in H100 time again: goodput = requests meeting both
+SLOs per H100-second, worker-seconds = wall seconds x replicas / slowdown. Queueing is the same at
+any slowdown; what does not scale is everything real (the router, a worker's start, the planner's
+interval): those are faster in H100 time than they would be (a started sim worker serves in a few
+wall seconds, a real 8B one takes a minute).
+
+**Trace** (``--phase-s`` wall seconds each, Poisson arrivals, seed ``--seed``, the same arrival
+times and prompts for every system):
+
+1. ``chat``: ``--chat-rate`` requests/s, ``--chat-prompt``-token prompts, ``--chat-output`` tokens
+   out: many streams, decode-bound;
+2. ``doc``: long-document summarisation, ``--doc-rate`` requests/s of ``--doc-prompt`` tokens,
+   ``--doc-output`` out: prefill-bound;
+3. ``chat`` again;
+4. ``ramp``: chat whose rate rises linearly from ``--ramp-from`` x chat-rate to chat-rate.
+
+A request meets the SLOs when its TTFT (request sent -> first token, at the client) is at most
+``--ttft-slo-ms`` and its mean inter-token time ((last token - first token) / (tokens - 1)) at
+most ``--itl-slo-ms``; a failed request meets neither. A request counts in the phase it arrived
+in. Every prompt is new (no prefix-cache hits) and the router prefills nothing itself
+(``--local-prefill-max-tokens 0``), so the split decides where every token is computed.
+
+    python benchmarks/planner.py [--budget 6] [--splits 1:5,2:4,...] [--phase-s 90] [--slowdown 40]
+
+Everything listens on 127.0.0.1; each deployment is stopped with Ctrl-C even on errors. Prints a
+JSON line per system, then the table.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from scale_sim import DEFAULT_PROFILE, Result, client_for, stream
+from soak import Deployment
+
+PHASES = ("chat", "doc", "chat-2", "ramp")
+
+
+@dataclass(frozen=True)
+class Request:
+    at_s: float          # wall seconds after the trace starts
+    phase: str
+    prompt_len: int
+    max_tokens: int
+    seed: int
+
+
+def slowed_profile(profile: dict, slowdown: float) -> dict:
+    """The profile of the same hardware ``slowdown`` times slower: decode steps longer, prefill slower."""
+    out = json.loads(json.dumps(profile))
+    for row in out["decode"]:
+        row["step_ms"] *= slowdown
+        row["tok_per_s"] = row.get("tok_per_s", 0.0) / slowdown
+    for row in out["prefill"]:
+        row["tok_per_s"] /= slowdown
+    out["source"] = f"{profile.get('source', '')} -- slowed {slowdown:g}x by benchmarks/planner.py"
+    return out
+
+
+def trace(args: argparse.Namespace) -> list[Request]:
+    """Poisson arrivals per phase, in wall seconds (rates given per H100-second, / slowdown)."""
+    rng = random.Random(args.seed)
+    out: list[Request] = []
+    for index, phase in enumerate(PHASES):
+        start, t = index * args.phase_s, 0.0
+        doc = phase == "doc"
+        prompt_len, max_tokens = (args.doc_prompt, args.doc_output) if doc else (args.chat_prompt, args.chat_output)
+        peak = (args.doc_rate if doc else args.chat_rate) / args.slowdown
+        while True:
+            # The ramp's rate at t: thinning a Poisson process of the peak rate.
+            t += rng.expovariate(peak)
+            if t >= args.phase_s:
+                break
+            if phase == "ramp":
+                rate = args.ramp_from + (1 - args.ramp_from) * t / args.phase_s
+                if rng.random() > rate:
+                    continue
+            out.append(Request(start + t, phase, prompt_len, max_tokens, rng.randrange(1 << 30)))
+    return out
+
+
+def prompt(request: Request) -> list[int]:
+    rng = random.Random(request.seed)
+    return [rng.randrange(100, 40000) for _ in range(request.prompt_len)]
+
+
+def meets(result: Result, request: Request, args: argparse.Namespace) -> bool:
+    if not result.ok or result.ttft_s is None or result.num_tokens < request.max_tokens:
+        return False
+    tpot = sum(result.itl_s) / max(1, request.max_tokens - 1)
+    return result.ttft_s <= args.ttft_slo_ms * args.slowdown / 1e3 and tpot <= args.itl_slo_ms * args.slowdown / 1e3
+
+
+async def replay(http: str, model: str, requests: list[Request], args: argparse.Namespace,
+                 replicas_at: list[tuple[float, int, int]], planner_metrics: str | None) -> list[Result]:
+    """Send every request at its time; meanwhile sample the replicas the planner asks for (its
+    ``tandem_planner_target_replicas``: a starting replica holds its GPU too), every second, into
+    ``replicas_at`` as (wall s, prefill, decode)."""
+    timeout_s = max(600.0, 4 * args.phase_s)
+    async with client_for(http, 4096) as client:
+        t0 = time.monotonic()
+
+        async def one(request: Request) -> Result:
+            await asyncio.sleep(max(0.0, t0 + request.at_s - time.monotonic()))
+            return await stream(client, model, prompt(request), request.max_tokens, timeout_s)
+
+        async def sample() -> None:
+            async with httpx.AsyncClient(timeout=5) as metrics:
+                while True:
+                    if planner_metrics:
+                        try:
+                            text = (await metrics.get(f"http://{planner_metrics}/metrics")).text
+                            got = dict(re.findall(r'tandem_planner_target_replicas\{role="(\w+)"\} ([\d.]+)', text))
+                            replicas_at.append((time.monotonic() - t0, int(float(got["prefill"])),
+                                                int(float(got["decode"]))))
+                        except (httpx.HTTPError, KeyError, ValueError):
+                            pass
+                    await asyncio.sleep(1.0)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            return list(await asyncio.gather(*(one(r) for r in requests)))
+        finally:
+            sampler.cancel()
+
+
+def worker_seconds(replicas_at: list[tuple[float, int, int]], start: float, end: float) -> float:
+    """Integral of prefill + decode replicas over [start, end) wall seconds, from the samples
+    (each holds until the next)."""
+    total = 0.0
+    for (t, p, d), (t_next, _, _) in zip(replicas_at, replicas_at[1:] + [(float("inf"), 0, 0)]):
+        lo, hi = max(t, start), min(t_next, end)
+        if hi > lo:
+            total += (hi - lo) * (p + d)
+    return total
+
+
+def run_system(name: str, flags: list[str], requests: list[Request], args: argparse.Namespace,
+               profile_file: Path, workdir: Path) -> dict:
+    static = re.fullmatch(r"(\d+):(\d+)", name)
+    dep = Deployment(workdir / f"serve-{name.replace(':', '-')}.log",
+                     ["--engine", "sim", "--sim-profile", str(profile_file), "--local-prefill-max-tokens", "0",
+                      "--max-model-len", str(max(args.doc_prompt, args.chat_prompt) + 1024),
+                      *flags, *args.serve_flags], {})
+    replicas_at: list[tuple[float, int, int]] = []
+    try:
+        dep.wait_ready(300)
+        planner_metrics = None if static else dep.status()["planner"]["metrics"]
+        first = static or re.fullmatch(r"(\d+):(\d+)", args.planner_start or "1:1")
+        assert first is not None, "--planner-start is P:D"
+        replicas_at.append((0.0, int(first[1]), int(first[2])))
+        t0 = time.monotonic()
+        results = asyncio.run(replay(dep.http, f"sim:{profile_file}", requests, args, replicas_at, planner_metrics))
+        wall = time.monotonic() - t0
+    finally:
+        dep.stop()
+    k = args.slowdown
+    row: dict = {"system": name, "wall_s": round(wall, 1), "phases": {}}
+    spans = {phase: (i * args.phase_s, (i + 1) * args.phase_s) for i, phase in enumerate(PHASES)}
+    spans["all"] = (0.0, len(PHASES) * args.phase_s)
+    for phase, (lo, hi) in spans.items():
+        mine = [(q, r) for q, r in zip(requests, results) if phase == "all" or q.phase == phase]
+        good = sum(meets(r, q, args) for q, r in mine)
+        ttft = sorted(r.ttft_s for _, r in mine if r.ttft_s is not None)
+        row["phases"][phase] = {
+            "requests": len(mine), "failed": sum(not r.ok for _, r in mine), "good": good,
+            "goodput": round(good / ((hi - lo) / k), 2),
+            "worker_s": round(worker_seconds(replicas_at, lo, hi) / k, 2),
+            "ttft_p90_ms": round(ttft[int(0.9 * (len(ttft) - 1))] * 1e3 / k, 1) if ttft else None}
+    if not static:
+        row["replicas"] = [(round(t, 1), p, d) for (t, p, d), prev in zip(replicas_at, [None] + replicas_at)
+                           if prev is None or prev[1:] != (p, d)]
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    phases = [*PHASES, "all"]
+    head = "| system | " + " | ".join(f"{p} goodput / worker-s" for p in phases) + " | failed |"
+    lines = [head, "|" + "---|" * (len(phases) + 2)]
+    for row in rows:
+        cells = [f"{row['phases'][p]['goodput']:.1f} / {row['phases'][p]['worker_s']:.1f}" for p in phases]
+        lines.append(f"| {row['system']} | " + " | ".join(cells) + f" | {row['phases']['all']['failed']} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    p.add_argument("--slowdown", type=float, default=40.0)
+    p.add_argument("--budget", type=int, default=6, help="prefill + decode workers of every system")
+    p.add_argument("--splits", default=None, help="static P:D splits to run (default: every one of the budget)")
+    p.add_argument("--no-planner", action="store_true")
+    p.add_argument("--planner-start", default=None, help="the planner's first P:D (default: 1:1)")
+    p.add_argument("--planner-interval-s", type=float, default=2.0, help="wall seconds")
+    p.add_argument("--phase-s", type=float, default=90.0, help="wall seconds per phase")
+    p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="H100 ms")
+    p.add_argument("--itl-slo-ms", type=float, default=6.0, help="H100 ms")
+    p.add_argument("--chat-rate", type=float, default=65.0, help="requests per H100-second")
+    p.add_argument("--chat-prompt", type=int, default=512)
+    p.add_argument("--chat-output", type=int, default=512)
+    p.add_argument("--doc-rate", type=float, default=12.0)
+    p.add_argument("--doc-prompt", type=int, default=6000)
+    p.add_argument("--doc-output", type=int, default=64)
+    p.add_argument("--ramp-from", type=float, default=0.15, help="the ramp's first rate, a fraction of --chat-rate")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    p.add_argument("serve_flags", nargs="*", help="after --: extra `tandem serve` flags for every system")
+    args = p.parse_args()
+
+    profile = json.loads(Path(args.profile).read_text())
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-planner-bench-"))
+    profile_file = workdir / "slowed.json"
+    profile_file.write_text(json.dumps(slowed_profile(profile, args.slowdown)))
+    requests = trace(args)
+    splits = args.splits.split(",") if args.splits else [f"{n}:{args.budget - n}" for n in range(1, args.budget)]
+    start = (args.planner_start or "1:1").split(":")
+    systems = [(s, ["--prefill", s.split(":")[0], "--decode", s.split(":")[1]]) for s in splits]
+    if not args.no_planner:
+        systems.append(("planner", ["--prefill", start[0], "--decode", start[1], "--planner",
+                                    "--ttft-slo-ms", f"{args.ttft_slo_ms * args.slowdown:g}",
+                                    "--itl-slo-ms", f"{args.itl_slo_ms * args.slowdown:g}",
+                                    "--max-workers", str(args.budget),
+                                    "--planner-interval-s", f"{args.planner_interval_s:g}"]))
+    print(f"# {len(requests)} requests over {len(PHASES)} x {args.phase_s:g} s; logs in {workdir}", flush=True)
+    rows = []
+    for name, flags in systems:
+        row = run_system(name, flags, requests, args, profile_file, workdir)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
