@@ -5,9 +5,10 @@ same-host sender maps the same file to write blocks one-sidedly. These helpers m
 for tests and benchmarks and map a receiver's pool from its descriptor.
 
 A descriptor's ``shm_path`` comes from another process, so it is never opened as given: only a
-regular file directly in the pool directory, named by ``POOL_NAME`` (the one definition of
-Tandem's pool names; engine/kv_cache.py makes its pools by it, tests/kvtransfer/test_shm_pools.py
-holds the two together), owned by this user and private (0600) is mapped (``check_pool_path``).
+regular file directly in the pool directory, named by ``POOL_NAME``, owned by this user and
+private (0600) is mapped (``check_pool_path``). engine/kv_cache.py, which may not import
+kvtransfer, names its pools with its own ``SHM_PREFIX``; tests/kvtransfer/test_shm_pools.py
+checks that the names it makes match ``POOL_NAME``.
 A new pool gets all its memory when it is created (a free-space check, then posix_fallocate),
 so a full or small /dev/shm is an error then, never a SIGBUS at a later write.
 """

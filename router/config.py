@@ -1,4 +1,9 @@
-"""Router settings; ``python -m router`` flags map 1:1 onto the fields (runs in the router process)."""
+"""Router settings (runs in the router process).
+
+``python -m router``'s flags (router/__main__.py, and ``add_public_api_args`` below, which
+``tandem serve`` shares) are written out by hand and map onto the fields one to one, except
+``rpc_timeout_s``, which has no flag.
+"""
 from __future__ import annotations
 
 import argparse
@@ -36,7 +41,7 @@ class RouterConfig:
     heartbeat_timeout_s: float = 2.0       # a Stats poll longer than this is late (logged, never a death)
     max_missed_heartbeats: int = 2         # polls in a row finding it gone (UNAVAILABLE) that remove it
     max_attempts: int = 4                  # dispatches per request, the first one included
-    rpc_timeout_s: float = 30.0            # unary worker RPCs (Submit, Abort)
+    rpc_timeout_s: float = 30.0            # a Submit's answer on P's session; DecodeWorker.SetPrefill
     failover_wait_s: float = 60.0          # a failing-over request waits this long for a worker of each
     #                                        role to be healthy again (the controller restarting one)
     local_prefill_max_tokens: int = 0      # conditional disaggregation: prompts of at most this many tokens

@@ -397,8 +397,8 @@ class Dispatcher:
                 self._spawn(self._replace_prefill(attempt, worker))
 
     async def _replace_prefill(self, attempt: Attempt, dead: WorkerState) -> None:
-        """Re-submit to another prefill worker and point the decode worker at it (DESIGN §3.7);
-        on any failure fall back to a whole new pair."""
+        """Re-submit to another prefill worker and point the decode worker at it
+        (docs/architecture.md#failure-handling); on any failure fall back to a whole new pair."""
         try:
             workers = [w for w in self.registry.healthy("prefill") if w.address != dead.address]
             if not workers:

@@ -125,7 +125,8 @@ def collect(call) -> Result:
 
 def generate(prefill: Worker, decode: Worker, request_id: str, prompt: list[int],
              sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S) -> Result:
-    """What a router does: open Generate on D, Submit to P, read the stream to its end.
+    """One request through the pair on the unary RPCs: open Generate on D, Submit to P, read the
+    stream to its end. (The router sends the same messages on its Session streams instead.)
 
     A Submit refused ABORTED came after the pair's handshake had already failed the request (the
     decode stream ends with that reason, so it is read); any other refusal cancels the stream."""
