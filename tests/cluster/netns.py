@@ -269,6 +269,20 @@ class NetnsCluster:
             raise NetnsError(f"{node.name} is down")
         return ["nsenter", "--target", str(node.init_pid), "--net", "--mount", "--uts", "--pid", "--", *argv]
 
+    def terminate(self, proc: subprocess.Popen, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM to a service started with ``exec_argv`` (to nsenter's child: nsenter passes no
+        signal on, and signalling it alone would orphan the service in its node), then wait for
+        nsenter; its exit code, or None if it still runs after ``timeout_s``."""
+        try:
+            for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+                os.kill(int(pid), signal.SIGTERM)
+        except OSError:
+            pass
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def pids(self, node: Node) -> list[int]:
         return [int(p) for p in _run("ip", "netns", "pids", node.name, check=False).stdout.split()]
 

@@ -19,12 +19,10 @@ lost or duplicated.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ import yaml
 
 from deploy.launch import REPO_ROOT
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements
+from tests.cluster.streams import Streams, metric, scrape
 from tests.deploy.ray_launcher import launcher_home, ray_cli
 
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
@@ -155,82 +154,6 @@ class Deployment:
         found = [w for w in status["workers"] if w["role"] == role and w["node"] == node.ip]
         assert len(found) == 1, (role, node.ip, status["workers"])
         return found[0]
-
-
-def metric(text: str, name: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {")
-
-
-def scrape(target: str) -> str:
-    return httpx.get(f"http://{target}/metrics", timeout=10).raise_for_status().text
-
-
-async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], seen: list[int], i: int) -> str | dict:
-    """The streamed text, or the error the router answered with (a status or an error event)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    text = ""
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            return {"status": response.status_code, **json.loads(await response.aread())}
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                return chunk
-            text += chunk["choices"][0]["text"]
-            seen[i] += 1
-    return text
-
-
-class Streams(threading.Thread):
-    """NUM_STREAMS greedy completions streaming in the background while a test breaks something."""
-
-    def __init__(self, url: str, prompts: list[list[int]]) -> None:
-        super().__init__(daemon=True)
-        self.url, self.prompts = url, prompts
-        self.seen = [0] * len(prompts)               # chunks received per stream
-        self.result: list[str | dict] | None = None
-        self.error: BaseException | None = None
-        self.start()
-
-    def run(self) -> None:
-        async def main() -> list[str | dict]:
-            async with httpx.AsyncClient(base_url=self.url, timeout=300) as client:
-                model = (await client.get("/v1/models")).raise_for_status().json()["data"][0]["id"]
-                return await asyncio.gather(*(_stream(client, model, p, self.seen, i)
-                                              for i, p in enumerate(self.prompts)))
-        try:
-            self.result = asyncio.run(main())
-        except BaseException as exc:  # noqa: BLE001 - reported by join_result
-            self.error = exc
-
-    def wait_until_streaming(self, timeout_s: float = 60) -> None:
-        """Until every stream has had a chunk (the router coalesces a fast stream's tokens, so a
-        stream may be a few chunks in all)."""
-        deadline = time.monotonic() + timeout_s
-        while min(self.seen) < 1:
-            assert self.error is None and self.is_alive(), f"streams ended early: {self.error!r} {self.result}"
-            assert time.monotonic() < deadline, f"streams did not start: {self.seen}"
-            time.sleep(0.01)
-
-    def outcomes(self, timeout_s: float = 300) -> list[str | dict]:
-        """Each stream's text or error, once all ended (a stream still open after ``timeout_s`` hung)."""
-        self.join(timeout_s)
-        assert not self.is_alive(), f"streams still running after {timeout_s} s: {self.seen}"
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-    def join_result(self, timeout_s: float = 300) -> list[str]:
-        """Each stream's text; fails on any error."""
-        outcomes = self.outcomes(timeout_s)
-        errors = [o for o in outcomes if isinstance(o, dict)]
-        assert not errors, errors
-        return outcomes
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -365,7 +288,7 @@ def test_decode_node_lost_streams_resume_on_the_other_decode_node(dep, expected)
     assert sum(w["role"] == "decode" for w in status["workers"]) == 2
     url = dep.router_url()
     failovers = metric(httpx.get(f"{url}/metrics").text, "tandem_request_failovers_total")
-    streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)])
+    streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)], MAX_TOKENS)
     streams.wait_until_streaming()
     dep.net.freeze(dep.n3)                          # the node stops here, mid-stream ...
     dep.net.kill(dep.n3)                            # ... and is gone: a power cut
@@ -386,7 +309,7 @@ def test_prefill_node_lost_mid_prefill_requests_are_prefilled_again(dep, expecte
     frozen = dep.worker(status, "prefill", dep.n2)["address"]
     failovers = metric(httpx.get(f"{url}/metrics").text, "tandem_request_failovers_total")
     dep.net.freeze(dep.n2)           # its prefill worker takes requests and computes none of them
-    streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)])
+    streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)], MAX_TOKENS)
     deadline = time.monotonic() + 60
     while not next(w["num_inflight"] for w in dep.status()["workers"] if w["address"] == frozen):
         assert time.monotonic() < deadline, "no request went to the frozen prefill worker"
@@ -411,7 +334,7 @@ def test_partition_between_prefill_and_decode_fails_within_the_lease_and_frees_e
     dep.net.partition(p_node, dep.n3)            # P <-> one D cut; the router still sees both
     try:
         started = time.monotonic()
-        streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)])
+        streams = Streams(url, [_prompt(i) for i in range(NUM_STREAMS)], MAX_TOKENS)
         outcomes = streams.outcomes(timeout_s=120)        # nothing hangs
         took = time.monotonic() - started
         print("outcomes across the partition:", outcomes)
@@ -432,7 +355,7 @@ def test_partition_between_prefill_and_decode_fails_within_the_lease_and_frees_e
             break
         assert time.monotonic() < deadline, f"KV blocks still held after the partition: {usage}"
         time.sleep(1)
-    assert Streams(url, [_prompt(i) for i in range(2)]).join_result() == expected[:2]
+    assert Streams(url, [_prompt(i) for i in range(2)], MAX_TOKENS).join_result() == expected[:2]
 
 
 def test_router_node_lost_clients_get_errors_and_status_says_so(dep, expected):
@@ -451,4 +374,4 @@ def test_router_node_lost_clients_get_errors_and_status_says_so(dep, expected):
     assert f"node {dep.n1.ip}, down)" in text and f"router: {router['error'].split(';')[0]}" in text, text
     dep.restart_node(dep.n1)
     dep.settled()
-    assert Streams(dep.router_url(), [_prompt(0)]).join_result() == expected[:1]
+    assert Streams(dep.router_url(), [_prompt(0)], MAX_TOKENS).join_result() == expected[:1]
