@@ -1,14 +1,17 @@
 """KV transfer between two nodes over a capped link, and how much of it layer-wise overlap hides (a script, not a test).
 
     sudo .venv/bin/python benchmarks/cluster_kv.py [--prompt-tokens 1024,4096] [--rates 0,10000,1000] [--repeats 3]
+                                                   [--kv-backends tcp,nixl]
 
 Ctrl-C, SIGTERM or an error stop the services and remove the namespaces; after a SIGKILL the next
 run removes what is left (NetnsCluster's remove_stale). Traffic stays on the nodes' bridge.
 
 Setup (docs/architecture.md#processes): two Linux network namespaces made by
 tests/cluster/netns.py (root needed), each a "node" with its own address, hostname and
-/dev/shm, so kvtransfer's ``auto`` backend picks ``tcp`` (ZeroMQ, CurveZMQ under the cluster
-secret) between them. Node A runs the prefill worker and the router, node B the decode worker,
+/dev/shm, so the KV crosses the link between them: with ``--kv-backend tcp`` (ZeroMQ, CurveZMQ
+under the cluster secret; what ``auto`` picks between nodes) or ``nixl`` (NIXL one-sided writes
+over UCX, here its TCP transport: the only one between namespaces; unencrypted), each backend of
+``--kv-backends`` in turn with fresh services. Node A runs the prefill worker and the router, node B the decode worker,
 the three with one fresh cluster secret in their environment; the workers bind their node's
 address and are registered with the router by Admin.RegisterWorker, as deploy/controller.py
 does. The router runs with --local-prefill-max-tokens 0, so every prompt goes P -> D. The
@@ -32,8 +35,11 @@ Around each request it reads both workers' /metrics (engine/serving/metrics.py):
 - prefill: the prefill worker's own tandem_time_to_first_token_seconds (its Submit arrived ->
   first token sampled). Writes are asynchronous, so this is compute, plus issuing the per-layer
   writes and whatever the transfer's threads take from the engine thread on the shared cores;
-- KV: the decode worker's tandem_kv_received_bytes_total, bytes that came over the network
-  (tcp backend only), once it reached what the prefill worker counts as shipped;
+- KV: tcp: the decode worker's tandem_kv_received_bytes_total, bytes that came over the network
+  as the tcp backend's payload, once it reached what the prefill worker counts as shipped; nixl:
+  what the prefill worker counts as shipped (tandem_kv_transfer_bytes_total), once the decode
+  worker counted the transfer. Either way node B's link must have carried at least that many
+  bytes in (its veth's byte counter), or the run stops: the KV crossed the link;
 - D xfer: the decode worker's tandem_kv_transfer_seconds, the product's own transfer time. It
   runs from blocks reserved to every layer and the notify landed, so it contains the prefill.
 
@@ -88,6 +94,8 @@ from router.client import TandemClient  # noqa: E402
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX  # noqa: E402
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements  # noqa: E402
 
+KV_BACKENDS = ("tcp", "nixl")
+
 CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
 BLOCK_SIZE = 16   # the workers' --block-size default: a repeated prompt hits all but its last block
 WARMUP_PAIRS = 2  # per prompt length: allocate every block of both pools once (first-touch page faults)
@@ -116,13 +124,13 @@ class Services:
 
 
 # -- the cluster ---------------------------------------------------------------------------------
-def worker_argv(cluster: NetnsCluster, node: Node, role: str, args: argparse.Namespace) -> list[str]:
+def worker_argv(cluster: NetnsCluster, node: Node, role: str, args: argparse.Namespace, backend: str) -> list[str]:
     """Its node's address, ports picked; a KV pool of two longest requests (see WARMUP_PAIRS)."""
     max_model_len = max(args.prompt_tokens) + args.max_tokens
     num_blocks = 2 * -(-max_model_len // BLOCK_SIZE)
     flags = ["--model", args.model, "--host", node.ip, "--port", "0", "--num-threads", str(args.num_threads),
              "--max-model-len", str(max_model_len), "--num-gpu-blocks-override", str(num_blocks),
-             "--chunked-prefill-size", str(args.chunked_prefill_size)]
+             "--chunked-prefill-size", str(args.chunked_prefill_size), "--kv-backend", backend]
     return cluster.exec_argv(node, [sys.executable, "-m", f"{role}_worker", *flags])
 
 
@@ -132,31 +140,24 @@ def router_argv(cluster: NetnsCluster, node: Node, args: argparse.Namespace) -> 
                                     "--log-level", "WARNING"])
 
 
-def start_services(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path) -> Services:
+def start_services(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path, backend: str) -> Services:
     """Prefill worker and router in node A, decode worker in node B, all loading at once; each
     killed with this process (die_with_parent), stderr in ``log_dir/<name>.log``."""
     node_a, node_b = cluster.nodes
 
     def start(name: str, argv: list[str], ready_prefix: str) -> ServiceProcess:
-        log = open(log_dir / f"{name}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
+        log = open(log_dir / f"{name}-{backend}.log", "wb")  # noqa: SIM115 - the child writes it until it exits
         return ServiceProcess(name, argv, ready_prefix, stderr=log, die_with_parent=True)
 
-    return Services(prefill=start("prefill", worker_argv(cluster, node_a, "prefill", args), WORKER_READY_PREFIX),
-                    decode=start("decode", worker_argv(cluster, node_b, "decode", args), WORKER_READY_PREFIX),
+    return Services(prefill=start("prefill", worker_argv(cluster, node_a, "prefill", args, backend),
+                                  WORKER_READY_PREFIX),
+                    decode=start("decode", worker_argv(cluster, node_b, "decode", args, backend), WORKER_READY_PREFIX),
                     router=start("router", router_argv(cluster, node_a, args), ROUTER_READY_PREFIX))
 
 
-def stop(service: ServiceProcess, timeout_s: float = 10.0) -> None:
-    """SIGTERM to the service itself, wait for it, then ServiceProcess.stop. cluster.exec_argv's
-    nsenter enters the node's PID namespace by forking the service as its only child and passes
-    no signal on: signalling nsenter alone would orphan the service in its node (where
-    NetnsCluster.stop kills whatever is left)."""
-    try:
-        for pid in Path(f"/proc/{service.pid}/task/{service.pid}/children").read_text().split():
-            os.kill(int(pid), signal.SIGTERM)
-        service.proc.wait(timeout_s)
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+def stop(cluster: NetnsCluster, service: ServiceProcess, timeout_s: float = 10.0) -> None:
+    """SIGTERM to the service in its node (NetnsCluster.terminate), then ServiceProcess.stop."""
+    cluster.terminate(service.proc, timeout_s)
     service.stop()
 
 
@@ -205,9 +206,16 @@ def wait_for_metric(address: str, name: str, at_least: float, timeout_s: float =
     return metrics
 
 
-def timed_request(client: TandemClient, metrics: dict[str, str], prompt: list[int], max_tokens: int) -> Sample:
+def link_rx_bytes(node: Node) -> int:
+    """Bytes ``node`` has received on its link: what the bridge's end of its veth pair sent."""
+    return int(Path(f"/sys/class/net/{node.host_veth}/statistics/tx_bytes").read_text())
+
+
+def timed_request(client: TandemClient, metrics: dict[str, str], prompt: list[int], max_tokens: int,
+                  backend: str, decode_node: Node) -> Sample:
     """Stream one request through the router; TTFT from the client, the rest from /metrics deltas."""
     before = {role: scrape(address) for role, address in metrics.items()}
+    rx_before = link_rx_bytes(decode_node)
     start = time.perf_counter()
     ttft_s, usage = None, None
     for chunk in client.generate_stream(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True):
@@ -223,23 +231,31 @@ def timed_request(client: TandemClient, metrics: dict[str, str], prompt: list[in
     p = wait_for_metric(metrics["prefill"], "tandem_kv_transfer_seconds_count",
                         before["prefill"]["tandem_kv_transfer_seconds_count"] + 1)
     shipped = delta(p, "prefill", "tandem_kv_transfer_bytes_total")
-    # Received over the network: all of it, or the KV did not take the tcp backend.
-    d = wait_for_metric(metrics["decode"], "tandem_kv_received_bytes_total",
-                        before["decode"]["tandem_kv_received_bytes_total"] + shipped)
+    if backend == "tcp":   # received as tcp payload: all of it, or the KV did not take the tcp backend
+        d = wait_for_metric(metrics["decode"], "tandem_kv_received_bytes_total",
+                            before["decode"]["tandem_kv_received_bytes_total"] + shipped)
+        kv_bytes = delta(d, "decode", "tandem_kv_received_bytes_total")
+    else:                  # NIXL writes land in the pool without passing the receiver's socket
+        d = wait_for_metric(metrics["decode"], "tandem_kv_transfer_seconds_count",
+                            before["decode"]["tandem_kv_transfer_seconds_count"] + 1)
+        kv_bytes = shipped
+    crossed = link_rx_bytes(decode_node) - rx_before
+    if crossed < kv_bytes:
+        raise RuntimeError(f"{backend}: the decode node's link took {crossed} bytes in for {kv_bytes:.0f} bytes of KV")
     return Sample(ttft_s=ttft_s, prefill_s=delta(p, "prefill", "tandem_time_to_first_token_seconds_sum"),
-                  kv_bytes=delta(d, "decode", "tandem_kv_received_bytes_total"),
+                  kv_bytes=kv_bytes,
                   decode_xfer_s=delta(d, "decode", "tandem_kv_transfer_seconds_sum"),
                   cached_tokens=usage.cached_tokens)
 
 
 def measure_point(client: TandemClient, metrics: dict[str, str], rng: random.Random, num_tokens: int,
-                  repeats: int, max_tokens: int) -> list[tuple[Sample, Sample]]:
+                  repeats: int, max_tokens: int, backend: str, decode_node: Node) -> list[tuple[Sample, Sample]]:
     """``repeats`` x (a fresh prompt, then the same prompt again: the whole-transfer probe)."""
     pairs = []
     for _ in range(repeats):
         prompt = [rng.randrange(100, 40000) for _ in range(num_tokens)]
-        fresh = timed_request(client, metrics, prompt, max_tokens)
-        again = timed_request(client, metrics, prompt, max_tokens)
+        fresh = timed_request(client, metrics, prompt, max_tokens, backend, decode_node)
+        again = timed_request(client, metrics, prompt, max_tokens, backend, decode_node)
         if fresh.cached_tokens or again.cached_tokens < num_tokens - BLOCK_SIZE:
             raise RuntimeError(f"prefix cache not as planned: {fresh.cached_tokens} cached tokens on the fresh "
                                f"prompt, {again.cached_tokens} of {num_tokens} on its repeat")
@@ -268,14 +284,14 @@ def summarize(pairs: list[tuple[Sample, Sample]], mbit: int, num_layers: int) ->
     }
 
 
-HEADER = ("| prompt tok | link | KV MB/req | prefill s (P) | TTFT s | TTFT - prefill ms | whole xfer ms | xfer Gbit/s "
-          "| KV/rate ms | no-overlap bound s | 1-layer bound s | hidden | D xfer s |")
+HEADER = ("| backend | prompt tok | link | KV MB/req | prefill s (P) | TTFT s | TTFT - prefill ms | whole xfer ms "
+          "| xfer Gbit/s | KV/rate ms | no-overlap bound s | 1-layer bound s | hidden | D xfer s |")
 
 
-def table_row(num_tokens: int, mbit: int, s: dict[str, float]) -> str:
+def table_row(backend: str, num_tokens: int, mbit: int, s: dict[str, float]) -> str:
     link = "uncapped" if not mbit else f"{mbit / 1000:g} Gbit/s"
     ideal = "-" if not mbit else f"{s['ideal'] * 1e3:.0f}"
-    return (f"| {num_tokens} | {link} | {s['kv_bytes'] / 1e6:.1f} | {s['prefill']:.3f} | {s['ttft']:.3f} "
+    return (f"| {backend} | {num_tokens} | {link} | {s['kv_bytes'] / 1e6:.1f} | {s['prefill']:.3f} | {s['ttft']:.3f} "
             f"| {s['exposed'] * 1e3:.0f} | {s['whole'] * 1e3:.0f} | {s['gbps']:.2f} | {ideal} "
             f"| {s['no_overlap']:.3f} | {s['one_layer']:.3f} | {s['hidden']:.0%} | {s['decode_xfer']:.3f} |")
 
@@ -300,6 +316,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rates", type=int_list, default=[0, 10000, 1000],
                    help="link caps in Mbit/s, comma-separated; 0 = uncapped")
     p.add_argument("--repeats", type=int, default=3, help="fresh + repeated prompt pairs per point (median)")
+    p.add_argument("--kv-backends", type=lambda text: [b for b in text.split(",") if b.strip()], default=["tcp"],
+                   help=f"kvtransfer backends to measure in turn, comma-separated, of {', '.join(KV_BACKENDS)}")
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads per worker")
@@ -310,6 +328,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.prompt_tokens or not args.rates or args.repeats < 1 or args.max_tokens < 1:
         p.error("need prompt lengths, rates, --repeats >= 1 and --max-tokens >= 1")
+    if not args.kv_backends or set(args.kv_backends) - set(KV_BACKENDS):
+        p.error(f"--kv-backends: one or more of {', '.join(KV_BACKENDS)}")
     if min(args.prompt_tokens) <= BLOCK_SIZE or min(args.rates) < 0:
         p.error(f"prompts must be longer than {BLOCK_SIZE} tokens and rates >= 0")
     return args
@@ -329,9 +349,10 @@ def print_log_tails(log_dir: Path, lines: int = 20) -> None:
         print(f"--- last lines of {log.name}:\n" + "\n".join(tail), file=sys.stderr)
 
 
-def run(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path, secret: str) -> list[str]:
-    """Start the services, measure every point, stop the services; the table's rows."""
-    services = start_services(cluster, args, log_dir)
+def run(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path, secret: str,
+        backend: str) -> list[tuple[int, int, str]]:
+    """Start the services, measure every point, stop the services; (rate, prompt tokens, row) each."""
+    services = start_services(cluster, args, log_dir, backend)
     try:
         for service in services.all():
             service.wait_ready(args.startup_timeout_s)
@@ -339,23 +360,25 @@ def run(cluster: NetnsCluster, args: argparse.Namespace, log_dir: Path, secret: 
         metrics = {"prefill": services.prefill.info["metrics"], "decode": services.decode.info["metrics"]}
         num_layers = load_arch(resolve_model(args.model)).num_layers
         rng = random.Random(args.seed)
+        node_b = cluster.nodes[1]
         rows = []
         with TandemClient(services.router.info["grpc"], timeout_s=300.0) as client:
             wait_healthy(client)
             for num_tokens in args.prompt_tokens:   # warm-up, uncapped, not counted
-                measure_point(client, metrics, rng, num_tokens, WARMUP_PAIRS, args.max_tokens)
+                measure_point(client, metrics, rng, num_tokens, WARMUP_PAIRS, args.max_tokens, backend, node_b)
             for mbit in args.rates:
                 set_rate(cluster, mbit)
                 for num_tokens in args.prompt_tokens:
                     t0 = time.monotonic()
-                    pairs = measure_point(client, metrics, rng, num_tokens, args.repeats, args.max_tokens)
-                    summary = summarize(pairs, mbit, num_layers)
-                    rows.append(table_row(num_tokens, mbit, summary))
-                    print(f"done in {time.monotonic() - t0:.0f} s: {rows[-1]}", flush=True)
+                    pairs = measure_point(client, metrics, rng, num_tokens, args.repeats, args.max_tokens, backend,
+                                          node_b)
+                    rows.append((mbit, num_tokens, table_row(backend, num_tokens, mbit, summarize(pairs, mbit,
+                                                                                                   num_layers))))
+                    print(f"done in {time.monotonic() - t0:.0f} s: {rows[-1][2]}", flush=True)
         return rows
     finally:
         for service in reversed(services.all()):
-            stop(service)
+            stop(cluster, service)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir()
     try:
         with NetnsCluster(root / "cluster", nodes=2) as cluster:
-            rows = run(cluster, args, log_dir, secret)
+            rows = [row for backend in args.kv_backends for row in run(cluster, args, log_dir, secret, backend)]
     except Exception:
         print_log_tails(log_dir)
         raise
@@ -388,10 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average at start: {_load(load)}; at the end: {_load(os.getloadavg())}")
     print(f"model {args.model}, {args.num_threads} torch thread(s) per worker, max_tokens {args.max_tokens}, "
           f"chunked prefill {args.chunked_prefill_size or 'auto'}, {args.repeats} repeats (medians); P + router in "
-          "node A, D in node B, kvtransfer tcp (CurveZMQ)\n")
+          f"node A, D in node B; kvtransfer {', '.join(args.kv_backends)} (tcp: CurveZMQ; nixl: UCX, unencrypted)\n")
     print(HEADER)
     print("|---" * (HEADER.count("|") - 1) + "|")
-    print("\n".join(rows))
+    # One backend after another was measured; the table puts each point's backends side by side.
+    rows.sort(key=lambda row: (args.rates.index(row[0]), args.prompt_tokens.index(row[1])))
+    print("\n".join(row for _, _, row in rows))
     return 0
 
 
