@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from router.json_limits import loads_bounded
 
@@ -95,6 +96,7 @@ class JsonValueScanner:
         self.depth = 0
         self.in_string = False
         self.escaped = False
+        self.failed = False   # never: json.loads bounds the value once it is complete
 
     def feed(self, char: str) -> bool:
         """True when ``char`` closes the value."""
@@ -210,16 +212,43 @@ class HermesParser(ToolCallParser):
         return Parsed(pending)
 
 
-class Llama3JsonParser(ToolCallParser):
-    SEPARATORS = ";,"
+class Scanner(Protocol):
+    failed: bool   # gave up (a limit reached): what it scanned is not calls
+
+    def feed(self, char: str) -> bool:
+        """True when ``char`` closes the value that began with the first character fed."""
+        ...
+
+
+class LineStartParser(ToolCallParser):
+    """Calls written as a bare value that starts a line (llama3_json's JSON objects, pythonic's
+    Python lists): the machinery both formats share.
+
+    A value may open (one of ``OPENERS``) where the line holds only whitespace so far, or right
+    after a call, with only whitespace and ``SEPARATORS`` between them; elsewhere the character is
+    content, so a value quoted inside a sentence stays content. From the opener on, a scanner
+    (``new_scanner``) finds where the value ends (or gives up: ``failed``), and ``read_calls`` turns
+    the whole value into calls or refuses it, in which case it is content verbatim. Whitespace before the first call
+    and whitespace or separators between calls are dropped, but only once the value turned out to
+    be a call; text after the calls is content without the whitespace that led to it.
+    """
+    OPENERS = ""
+    SEPARATORS = ""
 
     def __init__(self) -> None:
         self._pending = ""        # content not yet released: trailing whitespace, or separators after a call
         self._value = ""          # a candidate call being scanned
-        self._scanner: JsonValueScanner | None = None
+        self._scanner: Scanner | None = None
         self._line_blank = True   # only whitespace since the last newline: a call may start here
         self._after_call = False  # only whitespace and separators since the last call
         self._num_calls = 0
+
+    def new_scanner(self) -> Scanner:
+        raise NotImplementedError
+
+    def read_calls(self, value: str) -> list[ToolCall] | None:
+        """The calls the complete value ``value`` holds; None if it is not calls."""
+        raise NotImplementedError
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -229,12 +258,12 @@ class Llama3JsonParser(ToolCallParser):
                 if self._scanner.feed(char):
                     out.extend(self._close())
                 continue
-            if char in "{[" and (self._line_blank or self._after_call):
+            if char in self.OPENERS and (self._line_blank or self._after_call):
                 if not self._after_call:   # whitespace before the first call is dropped only if it is one
                     released = self._pending.rstrip(WHITESPACE)
                     out.content += released
                     self._pending = self._pending[len(released):]
-                self._scanner, self._value = JsonValueScanner(), char
+                self._scanner, self._value = self.new_scanner(), char
                 self._scanner.feed(char)
                 continue
             if self._after_call and (char in WHITESPACE or char in self.SEPARATORS):
@@ -251,18 +280,16 @@ class Llama3JsonParser(ToolCallParser):
         return out
 
     def _close(self) -> Parsed:
-        value, self._value, self._scanner = self._value, "", None
-        calls = calls_from_json(_decode(value), require_arguments=True)
+        value, scanner, self._value, self._scanner = self._value, self._scanner, "", None
+        assert scanner is not None
+        calls = None if scanner.failed else self.read_calls(value)
         if calls is None:
             pending = self._pending.lstrip(WHITESPACE) if self._after_call else self._pending
             self._after_call = False
             self._line_blank = False
             self._pending = ""
             return Parsed(pending + value)
-        if self._after_call:
-            self._pending = ""      # separators between two calls
-        elif not self._pending.strip(WHITESPACE):
-            self._pending = ""      # whitespace before the first call
+        self._pending = ""          # whitespace before the first call, or separators between two
         self._after_call = True
         self._num_calls += len(calls)
         return Parsed("", calls)
@@ -276,6 +303,17 @@ class Llama3JsonParser(ToolCallParser):
             content = self._pending
         self._pending, self._value, self._scanner = "", "", None
         return Parsed(content)
+
+
+class Llama3JsonParser(LineStartParser):
+    OPENERS = "{["
+    SEPARATORS = ";,"
+
+    def new_scanner(self) -> Scanner:
+        return JsonValueScanner()
+
+    def read_calls(self, value: str) -> list[ToolCall] | None:
+        return calls_from_json(_decode(value), require_arguments=True)
 
 
 class ForcedParser(ToolCallParser):

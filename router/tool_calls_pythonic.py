@@ -2,14 +2,15 @@
 templates), ToolACE and other models that answer with a Python list of calls:
 ``[get_weather(city="Paris", unit="celsius"), get_time(timezone='UTC')]``.
 
-A list of calls starts a line (after optional text on earlier lines), as in llama3_json, so a
-list quoted inside a sentence stays content; Llama 4's ``<|python_start|>`` / ``<|python_end|>``
-are special tokens, already gone from the router's text. The list is found by a scanner that
-knows Python's brackets and quoted strings, then read with ``ast``: each element must be a call
-of a plain (or dotted) name with keyword arguments only, each a literal (strings, numbers,
-True/False/None, lists, dicts, tuples), which become the JSON arguments object. Anything else
-(positional arguments, a variable, ``float('inf')``, bad syntax, nesting deeper than
-``MAX_JSON_DEPTH``) is content verbatim, streaming or not, and the result is the same for any
+A list of calls starts a line (after optional text on earlier lines), as in llama3_json (the two
+share ``router.tool_calls.LineStartParser``), so a list quoted inside a sentence stays content;
+Llama 4's ``<|python_start|>`` / ``<|python_end|>`` are special tokens, already gone from the
+router's text. The list is found by a scanner that knows Python's brackets and quoted strings,
+then read with ``ast``: each element must be a call of a plain (or dotted) name with keyword
+arguments only, each a literal (strings, numbers, True/False/None, lists, dicts, tuples), which
+become the JSON arguments object. Anything else (positional arguments, a variable,
+``float('inf')``, bad syntax, nesting deeper than ``MAX_JSON_DEPTH``) is content verbatim,
+streaming or not, and the result is the same for any
 split of the text into chunks.
 """
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import math
 
 from router.json_limits import MAX_JSON_DEPTH, json_depth
-from router.tool_calls import WHITESPACE, Parsed, ToolCall, ToolCallParser
+from router.tool_calls import LineStartParser, ToolCall
 
 MAX_CALL_LIST_CHARS = 1 << 20   # a longer list is not read as calls (ast on it would hold the loop)
 
@@ -113,62 +114,11 @@ def parse_call_list(text: str) -> list[ToolCall] | None:
     return calls
 
 
-class PythonicParser(ToolCallParser):
-    def __init__(self) -> None:
-        self._pending = ""        # content not yet released: trailing whitespace
-        self._value = ""          # a candidate list being scanned
-        self._scanner: PythonScanner | None = None
-        self._line_blank = True   # only whitespace since the last newline: a list may start here
-        self._after_call = False  # only whitespace since the last list of calls
-        self._num_calls = 0
+class PythonicParser(LineStartParser):
+    OPENERS = "["
 
-    def feed(self, text: str) -> Parsed:
-        out = Parsed()
-        for char in text:
-            if self._scanner is not None:
-                self._value += char
-                if self._scanner.feed(char):
-                    out.extend(self._close())
-                continue
-            if char == "[" and (self._line_blank or self._after_call):
-                if not self._after_call:   # whitespace before the calls is dropped only if they are calls
-                    released = self._pending.rstrip(WHITESPACE)
-                    out.content += released
-                    self._pending = self._pending[len(released):]
-                self._scanner, self._value = PythonScanner(), char
-                self._scanner.feed(char)
-                continue
-            if self._after_call and char in WHITESPACE:
-                self._pending += char
-                continue
-            if self._after_call:   # text after the calls: content, without the whitespace that led to it
-                self._pending, self._after_call = "", False
-            self._pending += char
-            self._line_blank = char == "\n" or (self._line_blank and char in WHITESPACE)
-            if char not in WHITESPACE:
-                out.content += self._pending
-                self._pending = ""
-        return out
+    def new_scanner(self) -> PythonScanner:
+        return PythonScanner()
 
-    def _close(self) -> Parsed:
-        value, scanner, self._value, self._scanner = self._value, self._scanner, "", None
-        calls = None if scanner is None or scanner.failed else parse_call_list(value)
-        if calls is None:
-            pending = "" if self._after_call else self._pending
-            self._after_call = self._line_blank = False
-            self._pending = ""
-            return Parsed(pending + value)
-        self._pending = ""          # whitespace before or between the lists
-        self._after_call = True
-        self._num_calls += len(calls)
-        return Parsed("", calls)
-
-    def finish(self) -> Parsed:
-        if self._scanner is not None:   # cut off inside a list: it was never calls
-            content = ("" if self._after_call else self._pending) + self._value
-        elif self._after_call:
-            content = ""
-        else:
-            content = self._pending
-        self._pending, self._value, self._scanner = "", "", None
-        return Parsed(content)
+    def read_calls(self, value: str) -> list[ToolCall] | None:
+        return parse_call_list(value)
