@@ -5,10 +5,12 @@ are ``engine/models/llama.py``'s; only the MLP of a sparse layer differs: a rout
 ``top_k`` experts per token and the token's output is their weighted sum (plus a sigmoid-gated
 shared expert for Qwen2-MoE).
 
-The experts run as grouped GEMMs: every (token, expert) pair is sorted by expert, then each
-expert that got tokens multiplies all of its rows in one matmul (a loop over experts, never over
-tokens), and the weighted rows are summed back into their tokens with one ``index_add_``.
-There is no fused Triton kernel: on CUDA the same torch code runs.
+The experts run as grouped GEMMs. On the CPU (``grouped_experts``, also the reference) every
+(token, expert) pair is sorted by expert, then each expert that got tokens multiplies all of its
+rows in one matmul (a loop over experts, never over tokens), and the weighted rows are summed
+back into their tokens with one ``index_add_``. On CUDA ``engine/models/fused_moe.py`` does the
+same in two Triton launches for all experts (gate/up with SiLU * up, then down with the routing
+weight), without reading the expert counts back to the host.
 
 Tensor parallelism splits every expert like a dense MLP: each rank holds all experts with its
 slice of their intermediate features (gate/up column-parallel, down row-parallel) and one
@@ -58,25 +60,35 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, hidden]``: each token's experts' outputs weighted by ``weights``."""
-        num_tokens, top_k = expert_ids.shape
-        flat_ids = expert_ids.flatten()
-        # Pair p = token * top_k + slot; sorting pairs by expert makes each expert's rows one run.
-        order = flat_ids.argsort(stable=True)
-        token_of_pair = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
-        rows = x[token_of_pair]
-        out = torch.empty(rows.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            gate, up = F.linear(rows[start:end], self.w13[expert]).chunk(2, dim=-1)
-            out[start:end] = F.linear(F.silu(gate).mul_(up), self.w2[expert])
-            start = end
-        out.mul_(weights.flatten()[order].unsqueeze(1))
-        return torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
-            0, token_of_pair, out)
+        if x.is_cuda:
+            from engine.models import fused_moe  # Triton is installed only where CUDA is
+            return fused_moe.fused_experts(x, self.w13, self.w2, weights, expert_ids)
+        return grouped_experts(x, self.w13, self.w2, weights, expert_ids)
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    expert_ids: torch.Tensor) -> torch.Tensor:
+    """``Experts.forward`` in torch, one gate/up and one down matmul per expert that got tokens:
+    the CPU path and the reference for the Triton one."""
+    num_tokens, top_k = expert_ids.shape
+    flat_ids = expert_ids.flatten()
+    # Pair p = token * top_k + slot; sorting pairs by expert makes each expert's rows one run.
+    order = flat_ids.argsort(stable=True)
+    token_of_pair = order // top_k
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    rows = x[token_of_pair]
+    out = torch.empty(rows.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        gate, up = F.linear(rows[start:end], w13[expert]).chunk(2, dim=-1)
+        out[start:end] = F.linear(F.silu(gate).mul_(up), w2[expert])
+        start = end
+    out.mul_(weights.flatten()[order].unsqueeze(1))
+    return torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=x.device).index_add_(
+        0, token_of_pair, out)
 
 
 class SparseMoeBlock(nn.Module):
