@@ -118,6 +118,29 @@ def matching_nodes(selectors: list[str], nodes: list[dict[str, Any]]) -> list[di
     return [n for n in alive if n["NodeManagerAddress"] in selectors or n["NodeManagerHostname"] in selectors]
 
 
+def placement_shortfall(spec: ServeSpec, desired: dict[str, int], cluster: dict[str, float]) -> str:
+    """Why ``desired`` replicas can never all be placed on a cluster whose total resources are
+    ``cluster`` (``ray.cluster_resources()``), or "": each rank takes one bundle (1 GPU + 1 CPU on
+    GPUs, else ``cpus_per_rank`` CPU) and the router ``router_cpus``. Without this a replica
+    that does not fit waits ``start_timeout_s`` for resources that never come."""
+    ranks = {role: n * spec.tp[role] for role, n in desired.items()}
+    bundle = {"GPU": 1.0, "CPU": 1.0} if spec.use_gpu else {"CPU": spec.cpus_per_rank}
+    workers = " + ".join(f"{n} {role}" for role, n in desired.items())
+    for kind, per_rank in bundle.items():
+        need = sum(ranks.values()) * per_rank + (spec.router_cpus if kind == "CPU" else 0.0)
+        have = cluster.get(kind, 0.0)
+        if need <= have + 1e-9:
+            continue
+        if kind == "GPU":
+            return (f"{workers} workers ({sum(ranks.values())} ranks with TP) need {need:g} GPUs; this Ray cluster "
+                    f"has {have:g}: use fewer workers or add GPU nodes")
+        fits = max(0.0, have - spec.router_cpus) / max(1, sum(ranks.values()))
+        return (f"{workers} workers ({sum(ranks.values())} ranks) at {per_rank:g} CPU each (--cpus-per-worker) and "
+                f"the router's {spec.router_cpus:g} need {need:g} CPUs; this Ray cluster has {have:g}: use "
+                f"--cpus-per-worker {int(fits * 1000) / 1000:g} or less, fewer workers, or more nodes")
+    return ""
+
+
 # -- the process host: one per worker rank, one for the router -------------------------------
 
 
@@ -288,6 +311,9 @@ class Controller:
 
     def start(self) -> dict[str, Any]:
         """Start the router (raises if it cannot) and the reconcile loop; returns the router's addresses."""
+        self._check_fits(self.desired)
+        if self.spec.planner is not None:      # the most it may ask for, as prefill + decode
+            self._check_fits({"prefill": self.spec.planner.max_workers - 1, "decode": 1})
         self._start_router()
         self._loop = threading.Thread(target=self._run, name="tandem-reconcile", daemon=True)
         self._loop.start()
@@ -301,9 +327,20 @@ class Controller:
         if count < 1:
             raise ValueError(f"{role} replicas must be >= 1 (got {count}): with none, every request would fail")
         with self._lock:
+            self._check_fits({**self.desired, role: count})
             self.desired[role] = count
         logger.info("scale %s to %d replicas", role, count)
         return dict(self.desired)
+
+    def _check_fits(self, desired: dict[str, int]) -> None:
+        """Refuse replicas that can never be placed on the one-node cluster ``tandem serve``
+        started itself; on a cluster of its own the operator (or an autoscaler) may add nodes,
+        so there it is a warning and the replicas wait (``tandem status`` says for what)."""
+        why = placement_shortfall(self.spec, desired, ray.cluster_resources())
+        if why and self.spec.started_ray:
+            raise ValueError(why)
+        if why:
+            logger.warning("%s; the replicas that do not fit wait for resources", why)
 
     def status(self) -> dict[str, Any]:
         cluster = self._router_view(timeout_s=2.0, wait=False) or {}   # the router may be restarting

@@ -210,3 +210,22 @@ def test_address_local_always_starts_its_own_ray(monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
     assert serve.connect("local", may_start=True) is False
     assert calls and calls[0].get("address") == "local"
+
+
+def test_replicas_that_can_never_be_placed_are_named_with_the_flag_to_change():
+    from deploy.controller import ServeSpec, placement_shortfall
+
+    spec = ServeSpec(model="m", replicas={"prefill": 16, "decode": 48}, tp={"prefill": 1, "decode": 1},
+                     worker_flags=[], router_flags=[])
+    # 64 ranks x 0.1 + the router's 0.1 = 6.5 CPUs on 2: what fits is (2 - 0.1) / 64 = 0.0296 each.
+    assert placement_shortfall(spec, spec.replicas, {"CPU": 2.0}) == (
+        "16 prefill + 48 decode workers (64 ranks) at 0.1 CPU each (--cpus-per-worker) and the router's 0.1 need "
+        "6.5 CPUs; this Ray cluster has 2: use --cpus-per-worker 0.029 or less, fewer workers, or more nodes")
+    assert placement_shortfall(spec, {"prefill": 1, "decode": 18}, {"CPU": 2.0}) == ""        # 1.9 + 0.1
+    assert placement_shortfall(spec, {"prefill": 1, "decode": 19}, {"CPU": 2.0}).startswith("1 prefill + 19 decode")
+    gpu = ServeSpec(model="m", replicas={"prefill": 1, "decode": 1}, tp={"prefill": 2, "decode": 2},
+                    worker_flags=[], router_flags=[], use_gpu=True)
+    assert placement_shortfall(gpu, {"prefill": 1, "decode": 2}, {"CPU": 64.0, "GPU": 4.0}) == (
+        "1 prefill + 2 decode workers (6 ranks with TP) need 6 GPUs; this Ray cluster has 4: use fewer workers or "
+        "add GPU nodes")
+    assert placement_shortfall(gpu, {"prefill": 1, "decode": 1}, {"CPU": 64.0, "GPU": 4.0}) == ""

@@ -9,12 +9,15 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
 
+from deploy.launch import REPO_ROOT
 from engine.sim.tokens import next_token, prompt_digest
 from engine.tokenizer import Tokenizer
 from tests.deploy.test_serve_e2e import all_pids, assert_nothing_left, interrupt, start_serve, wait_for
@@ -79,6 +82,14 @@ def test_16_simulated_workers_lose_no_stream_to_kills_and_a_scale_down(tmp_path)
         dep.cli("scale", "decode", "8")
         decodes = [w for w in dep.status()["workers"] if w["role"] == "decode"]
         assert len(decodes) == 8
+        # More than this 2-CPU cluster can ever place (44 x 0.1 CPU + the router's 0.1): refused at
+        # once with the numbers, not left to wait --start-timeout-s for resources.
+        refused = subprocess.run([sys.executable, "-m", "deploy.cli", "scale", "decode", "40", "--address",
+                                  dep.ray_address], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+        want = ("4 prefill + 40 decode workers (44 ranks) at 0.1 CPU each (--cpus-per-worker) and the router's "
+                "0.1 need 4.5 CPUs")
+        assert refused.returncode != 0 and want in refused.stderr, refused.stderr
+        assert dep.status()["desired"] == {"prefill": 4, "decode": 8}
         runner.join(240)
         assert not runner.is_alive(), "streams did not finish"
         assert len(results) == NUM_STREAMS
