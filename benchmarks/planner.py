@@ -30,7 +30,7 @@ most ``--itl-slo-ms``; a failed request meets neither. A request counts in the p
 in. Every prompt is new (no prefix-cache hits) and the router prefills nothing itself
 (``--local-prefill-max-tokens 0``), so the split decides where every token is computed.
 
-    python benchmarks/planner.py [--budget 6] [--splits 1:5,2:4,...] [--phase-s 90] [--slowdown 40]
+    python benchmarks/planner.py [--budget 4] [--splits 1:3,2:2,3:1] [--phase-s 80] [--slowdown 60]
 
 Everything listens on 127.0.0.1; each deployment is stopped with Ctrl-C even on errors. Prints a
 JSON line per system, then the table.
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from scale_sim import DEFAULT_PROFILE, Result, client_for, stream
+from scale_sim import DEFAULT_PROFILE, Result, client_for, slowed_profile, stream
 from soak import Deployment
 
 PHASES = ("chat", "doc", "chat-2", "ramp")
@@ -62,18 +62,6 @@ class Request:
     prompt_len: int
     max_tokens: int
     seed: int
-
-
-def slowed_profile(profile: dict, slowdown: float) -> dict:
-    """The profile of the same hardware ``slowdown`` times slower: decode steps longer, prefill slower."""
-    out = json.loads(json.dumps(profile))
-    for row in out["decode"]:
-        row["step_ms"] *= slowdown
-        row["tok_per_s"] = row.get("tok_per_s", 0.0) / slowdown
-    for row in out["prefill"]:
-        row["tok_per_s"] /= slowdown
-    out["source"] = f"{profile.get('source', '')} -- slowed {slowdown:g}x by benchmarks/planner.py"
-    return out
 
 
 def trace(args: argparse.Namespace) -> list[Request]:
@@ -165,7 +153,7 @@ def run_system(name: str, flags: list[str], requests: list[Request], args: argpa
     try:
         dep.wait_ready(300)
         planner_metrics = None if static else dep.status()["planner"]["metrics"]
-        first = static or re.fullmatch(r"(\d+):(\d+)", args.planner_start or "1:1")
+        first = static or re.fullmatch(r"(\d+):(\d+)", args.planner_start)
         assert first is not None, "--planner-start is P:D"
         replicas_at.append((0.0, int(first[1]), int(first[2])))
         t0 = time.monotonic()
@@ -206,19 +194,19 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default=str(DEFAULT_PROFILE))
-    p.add_argument("--slowdown", type=float, default=40.0)
-    p.add_argument("--budget", type=int, default=6, help="prefill + decode workers of every system")
+    p.add_argument("--slowdown", type=float, default=60.0)
+    p.add_argument("--budget", type=int, default=4, help="prefill + decode workers of every system")
     p.add_argument("--splits", default=None, help="static P:D splits to run (default: every one of the budget)")
     p.add_argument("--no-planner", action="store_true")
-    p.add_argument("--planner-start", default=None, help="the planner's first P:D (default: 1:1)")
+    p.add_argument("--planner-start", default=None, help="the planner's first P:D (default: half the budget each)")
     p.add_argument("--planner-interval-s", type=float, default=2.0, help="wall seconds")
-    p.add_argument("--phase-s", type=float, default=90.0, help="wall seconds per phase")
+    p.add_argument("--phase-s", type=float, default=80.0, help="wall seconds per phase")
     p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="H100 ms")
     p.add_argument("--itl-slo-ms", type=float, default=6.0, help="H100 ms")
-    p.add_argument("--chat-rate", type=float, default=65.0, help="requests per H100-second")
-    p.add_argument("--chat-prompt", type=int, default=512)
+    p.add_argument("--chat-rate", type=float, default=80.0, help="requests per H100-second")
+    p.add_argument("--chat-prompt", type=int, default=256)
     p.add_argument("--chat-output", type=int, default=512)
-    p.add_argument("--doc-rate", type=float, default=12.0)
+    p.add_argument("--doc-rate", type=float, default=10.0)
     p.add_argument("--doc-prompt", type=int, default=6000)
     p.add_argument("--doc-output", type=int, default=64)
     p.add_argument("--ramp-from", type=float, default=0.15, help="the ramp's first rate, a fraction of --chat-rate")
@@ -233,7 +221,8 @@ def main() -> int:
     profile_file.write_text(json.dumps(slowed_profile(profile, args.slowdown)))
     requests = trace(args)
     splits = args.splits.split(",") if args.splits else [f"{n}:{args.budget - n}" for n in range(1, args.budget)]
-    start = (args.planner_start or "1:1").split(":")
+    args.planner_start = args.planner_start or f"{args.budget // 2}:{args.budget - args.budget // 2}"
+    start = args.planner_start.split(":")
     systems = [(s, ["--prefill", s.split(":")[0], "--decode", s.split(":")[1]]) for s in splits]
     if not args.no_planner:
         systems.append(("planner", ["--prefill", start[0], "--decode", start[1], "--planner",

@@ -32,7 +32,7 @@ prints one table. Every number is measured in this run (phase 3 runs first, on a
    undisturbed (the reference), then again while N random workers are kill -9'd, spaced
    ``--kill-every-s``; every stream must complete with the reference's text.
 
-    python benchmarks/scale_sim.py [--prefill 2] [--decode 8] [--streams 1000,5000] \
+    python benchmarks/scale_sim.py [--slowdown 1] [--prefill 2] [--decode 8] [--streams 1000,5000] \
         [--scale 8,32,8] [--kills 0] [-- extra `tandem serve` flags]
 
 Everything listens on 127.0.0.1. The deployment is stopped with Ctrl-C (SIGINT) even on errors.
@@ -59,6 +59,18 @@ from soak import REPO_ROOT, Deployment, rss_mib
 
 DEFAULT_PROFILE = REPO_ROOT / "engine" / "sim" / "profiles" / "llama-3.1-8b-h100.json"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def slowed_profile(profile: dict, slowdown: float) -> dict:
+    """The profile of the same hardware ``slowdown`` times slower: decode steps longer, prefill slower."""
+    out = json.loads(json.dumps(profile))
+    for row in out["decode"]:
+        row["step_ms"] *= slowdown
+        row["tok_per_s"] = row.get("tok_per_s", 0.0) / slowdown
+    for row in out["prefill"]:
+        row["tok_per_s"] /= slowdown
+    out["source"] = f"{profile.get('source', '')} -- slowed {slowdown:g}x for a benchmark (benchmarks/scale_sim.py)"
+    return out
 
 
 def cpu_s(pid: int) -> float:
@@ -323,6 +335,11 @@ def ints(text: str) -> list[int]:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", default=str(DEFAULT_PROFILE))
+    p.add_argument("--slowdown", type=float, default=1.0,
+                   help="run the profile this many times slower (every step longer, prefill slower): on a small "
+                        "machine the simulated workers' own CPU (scheduler, sampling bookkeeping per step) and the "
+                        "token rate of thousands of streams at GPU speed would measure this machine, not the "
+                        "control plane; the table's times are wall times of the slowed run")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=8)
     p.add_argument("--requests", type=int, default=1000)
@@ -430,9 +447,15 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     # `timeout` or a kill sends SIGTERM: leave through the finally below, which stops the deployment.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    flags = ["--engine", "sim", "--sim-profile", args.profile, "--prefill", str(args.prefill),
+    workdir = Path(tempfile.mkdtemp(prefix="tandem-scale-sim-"))
+    profile = args.profile
+    if args.slowdown != 1.0:
+        profile = str(workdir / "slowed.json")
+        Path(profile).write_text(json.dumps(slowed_profile(json.loads(Path(args.profile).read_text()),
+                                                           args.slowdown)))
+    flags = ["--engine", "sim", "--sim-profile", profile, "--prefill", str(args.prefill),
              "--decode", str(args.decode), *args.extra]
-    log = Path(tempfile.mkdtemp(prefix="tandem-scale-sim-")) / "serve.log"
+    log = workdir / "serve.log"
     print(f"tandem serve {' '.join(flags)} (log: {log})", flush=True)
     dep = Deployment(log, flags, {})
     try:
