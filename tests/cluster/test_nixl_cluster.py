@@ -11,13 +11,16 @@ Admin.RegisterWorker, as deploy/controller.py does (benchmarks/cluster_kv.py doe
     n2  a decode worker      n3  a decode worker
 
 First a tcp pair (P on n1, D on n2) serves the prompts; its text is the reference. Then
-nixl workers replace it on n1, n2 and n3. The last test caps n2's link, freezes n2 while KV is
-flowing into it (the prefill worker's NIXL writes there stop completing: its per-write deadline,
-``--kv-lease-s``, must end them) and then kills it, as test_cluster.py loses a node: every
-stream ends whole on n3. Nodes are separate network namespaces, hostnames and
-/dev/shm, so UCX has only the bridge between them: what the workers count as shipped must show up
-in the nodes' interface byte counters, and the decode worker's ZeroMQ receiver (which counts the
-tcp backend's payload) must see none of it.
+nixl workers replace it on n1, n2 and n3. Nodes are separate network namespaces, hostnames and
+/dev/shm, so UCX has only the bridge between them: what the workers count as shipped must show
+up in the nodes' interface byte counters, and the decode worker's ZeroMQ receiver (which counts
+the tcp backend's payload) must see none of it.
+
+The failure tests cap n2's link and act while KV flows into it, as test_cluster.py loses a node:
+one freezes n2 (the prefill worker's NIXL writes there stop completing, and its per-write
+deadline, ``--kv-lease-s``, must end them), then kills it; the other boots n2 again with a new
+decode worker and kills it outright (UCX sees the sockets close: no write may wait for its
+deadline). Either way every stream ends whole on n3 and the prefill worker lets go of it all.
 
 NIXL is loaded only by the worker processes, never into this pytest process: UCX once left a
 CI run's pytest process to die later, in an unrelated test (kvtransfer/nixl.py).
@@ -30,6 +33,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,6 +58,7 @@ NUM_STREAMS = 12
 MAX_TOKENS = 48                  # + the longest prompt (184) stays within the tiny model's 256
 CAP_MBIT = 2                     # the lost decode node's link: a prompt's KV takes ~0.3 s to cross it
 START_TIMEOUT_S = 180
+BLOCK_SIZE = 16                  # the workers' --block-size default
 
 
 def _prompt(i: int) -> list[int]:
@@ -81,6 +86,15 @@ def tx_bytes(node: Node) -> int:
     return int(Path(f"/sys/class/net/{node.host_veth}/statistics/rx_bytes").read_text())
 
 
+def prompts_kv_nbytes(model: Path) -> int:
+    """The KV of PROMPTS as the prefill worker counts what it shipped: each prompt's whole blocks
+    (ceil(len / BLOCK_SIZE)), every (layer, K|V) plane, float32."""
+    config = json.loads((model / "config.json").read_text())
+    block_nbytes = BLOCK_SIZE * config["num_key_value_heads"] * config["head_dim"] * 4
+    num_blocks = sum(-(-len(prompt) // BLOCK_SIZE) for prompt in PROMPTS)
+    return num_blocks * config["num_hidden_layers"] * 2 * block_nbytes
+
+
 def wait_for_metric(worker: ServiceProcess, name: str, at_least: float, timeout_s: float = 20.0) -> float:
     """``name`` of ``worker``'s /metrics once it reached ``at_least`` (its value then)."""
     deadline = time.monotonic() + timeout_s
@@ -105,6 +119,7 @@ class Cluster:
         self.logs = root / "logs"
         self.logs.mkdir()
         self.services: list[ServiceProcess] = []
+        self.workers: list[tuple[str, ServiceProcess]] = []     # registered with the router: (role, worker)
         self.router = self._start("router", self.router_node, [
             "-m", "router", "--model", str(model), "--host", self.router_node.ip, "--grpc-port", "0",
             "--http-port", "0", "--local-prefill-max-tokens", "0"], ROUTER_READY_PREFIX)
@@ -133,7 +148,8 @@ class Cluster:
             for (role, _), service in zip(nodes, started):
                 admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role=role, address=service.info["grpc"]),
                                      timeout=10.0, wait_for_ready=True)
-        self.wait_healthy(sorted(role for role, _ in nodes))
+        self.workers += [(role, service) for (role, _), service in zip(nodes, started)]
+        self.wait_healthy()
         return started
 
     def stop_workers(self, workers: list[ServiceProcess]) -> None:
@@ -143,23 +159,23 @@ class Cluster:
         for w in workers:
             self.net.terminate(w.proc)
             w.stop()
+        self.workers = [(role, w) for role, w in self.workers if w not in workers]
 
     @contextlib.contextmanager
     def _admin(self) -> Iterator[SecretStub]:
         with grpc.insecure_channel(self.router.info["grpc"]) as channel:
             yield SecretStub(admin_pb2_grpc.AdminStub(channel), self.secret)
 
-    def healthy_roles(self) -> list[str]:
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        """Until the router has as many healthy workers of each role as run here (it lists no addresses)."""
         from router.client import TandemClient
 
-        with TandemClient(self.router.info["grpc"], timeout_s=10.0) as client:
-            return sorted(w.role for w in client.cluster() if w.healthy)
-
-    def wait_healthy(self, roles: list[str], timeout_s: float = 60.0) -> None:
+        running = Counter(role for role, w in self.workers if w.proc.poll() is None)
         deadline = time.monotonic() + timeout_s
-        while (healthy := self.healthy_roles()) != roles:
-            assert time.monotonic() < deadline, f"healthy at the router: {healthy}, not {roles}"
-            time.sleep(0.2)
+        with TandemClient(self.router.info["grpc"], timeout_s=10.0) as client:
+            while (healthy := Counter(w.role for w in client.cluster() if w.healthy)) != running:
+                assert time.monotonic() < deadline, f"healthy at the router: {healthy}, running: {running}"
+                time.sleep(0.2)
 
     def close(self) -> None:
         try:
@@ -199,10 +215,11 @@ def tcp_text(cluster) -> list[str]:
     workers = cluster.start_workers("tcp", [("prefill", cluster.prefill_node), ("decode", cluster.decode_nodes[0])])
     try:
         text = Streams(cluster.url, PROMPTS, MAX_TOKENS).join_result()
+        kv_nbytes = prompts_kv_nbytes(cluster.model)
+        sent = wait_for_metric(workers[0], "tandem_kv_transfer_bytes_total", kv_nbytes)
         received = metric(scrape(workers[1].info["metrics"]), "tandem_kv_received_bytes_total")
-        # The prefill worker counts a transfer once its engine thread next looks, maybe after the stream ended.
-        sent = wait_for_metric(workers[0], "tandem_kv_transfer_bytes_total", received)
-        assert received > 0 and received == sent, (received, sent)
+        # A block that one prefill chunk fills in part goes again with the next: received may exceed it.
+        assert sent == kv_nbytes and received >= sent, (kv_nbytes, sent, received)
         return text
     finally:
         cluster.stop_workers(workers)
@@ -222,46 +239,75 @@ def nixl(cluster, tcp_text) -> dict[str, ServiceProcess]:
 
 def test_nixl_between_nodes_gives_the_tcp_text_and_the_kv_crosses_the_links(cluster, nixl, tcp_text):
     p, decodes = nixl["prefill"], [nixl["decode"], nixl["other_decode"]]
-    config = json.loads((cluster.model / "config.json").read_text())
-    token_nbytes = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    kv_nbytes = prompts_kv_nbytes(cluster.model)
     before_rx = [rx_bytes(n) for n in cluster.decode_nodes]
     before_tx = tx_bytes(cluster.prefill_node)
     before_p = scrape(p.info["metrics"])
 
     assert Streams(cluster.url, PROMPTS, MAX_TOKENS).join_result() == tcp_text
 
+    shipped = wait_for_metric(p, "tandem_kv_transfer_bytes_total",
+                              metric(before_p, "tandem_kv_transfer_bytes_total") + kv_nbytes
+                              ) - metric(before_p, "tandem_kv_transfer_bytes_total")
     after_p = scrape(p.info["metrics"])
-    shipped = metric(after_p, "tandem_kv_transfer_bytes_total") - metric(before_p, "tandem_kv_transfer_bytes_total")
     node_rx = sum(rx_bytes(n) - b for n, b in zip(cluster.decode_nodes, before_rx))
     node_tx = tx_bytes(cluster.prefill_node) - before_tx
     zmq_payload = sum(metric(scrape(d.info["metrics"]), "tandem_kv_received_bytes_total") for d in decodes)
-    kv_nbytes = sum(map(len, PROMPTS)) * token_nbytes
-    print(f"KV of {NUM_STREAMS} prompts: >= {kv_nbytes} B (tokens), shipped {shipped:.0f} B "
-          f"(whole blocks); decode nodes received {node_rx} B, the prefill node sent {node_tx} B; "
-          f"ZeroMQ KV payload {zmq_payload:.0f} B")
-    assert shipped >= kv_nbytes
+    print(f"KV of {NUM_STREAMS} prompts: {kv_nbytes} B, shipped {shipped:.0f} B; decode nodes received "
+          f"{node_rx} B, the prefill node sent {node_tx} B; ZeroMQ KV payload {zmq_payload:.0f} B")
+    assert shipped == kv_nbytes
     assert metric(after_p, "tandem_kv_transfer_failures_total") == 0
     # The bytes crossed the links between the nodes, and not as the tcp backend's payload: UCX moved them.
     assert zmq_payload == 0
     assert node_rx >= shipped and node_tx >= shipped, (node_rx, node_tx, shipped)
 
 
-def test_decode_node_lost_mid_transfer_streams_finish_on_the_other_and_prefill_does_not_hang(
-        cluster, nixl, tcp_text):
-    p, victim = nixl["prefill"], nixl["decode"]
-    node = cluster.decode_nodes[0]
-    router_failovers = metric(scrape(cluster.router.info["http"]), "tandem_request_failovers_total")
-    failed = metric(scrape(p.info["metrics"]), "tandem_kv_transfer_failures_total")
-    cluster.net.cap(node, CAP_MBIT)                 # KV into the victim takes a while to cross its link
+def _stream_into(cluster: Cluster, node: Node, victim: ServiceProcess) -> Streams:
+    """Streams started with ``node``'s link capped, once ``victim`` (the decode worker on it)
+    waits for KV and KV is flowing into the node: a prompt's KV is 48-92 KiB and the victim's
+    share of the streams' ~0.5 MB, taking ~2 s at the cap, so what comes next lands mid-writes."""
+    cluster.net.cap(node, CAP_MBIT)
     rx_start = rx_bytes(node)
     streams = Streams(cluster.url, PROMPTS, MAX_TOKENS)
-    # Until the victim waits for KV and KV is flowing into its node (a prompt's KV is 48-92 KiB,
-    # its requests' ~0.5 MB takes ~2 s at the cap): the freeze lands in the middle of the writes.
     deadline = time.monotonic() + 60
     while (metric(scrape(victim.info["metrics"]), "tandem_num_requests_transferring") < 1
            or rx_bytes(node) - rx_start < 64 * 1024):
         assert time.monotonic() < deadline and streams.is_alive(), "no KV transfer to the victim node"
         time.sleep(0.02)
+    return streams
+
+
+def _streams_whole_and_prefill_let_go(cluster: Cluster, p: ServiceProcess, streams: Streams, failovers: float,
+                                      tcp_text: list[str]) -> None:
+    """Every stream whole (on the other decode node), some failed over, and the prefill worker
+    holds no transfer or block for the lost node and still serves."""
+    assert streams.join_result() == tcp_text
+    moved = metric(scrape(cluster.router.info["http"]), "tandem_request_failovers_total") - failovers
+    assert moved >= 1, "no request failed over from the lost node"
+    deadline = time.monotonic() + 2 * KV_LEASE_S + 10
+    while (held := [metric(scrape(p.info["metrics"]), name)
+                    for name in ("tandem_num_requests_transferring", "tandem_kv_cache_usage_ratio")]) != [0, 0]:
+        assert time.monotonic() < deadline, f"the prefill worker still holds transfers or blocks: {held}"
+        time.sleep(0.2)
+    assert Streams(cluster.url, PROMPTS[:2], MAX_TOKENS).join_result() == tcp_text[:2]
+
+
+def _victim(cluster: Cluster, nixl: dict[str, ServiceProcess]) -> ServiceProcess:
+    """The nixl decode worker on n2; after an earlier test's power cut, n2 booted again with a new one."""
+    node = cluster.decode_nodes[0]
+    if nixl["decode"].proc.poll() is not None:
+        if not node.alive:
+            cluster.net.restart(node)
+        [nixl["decode"]] = cluster.start_workers("nixl", [("decode", node)])
+    return nixl["decode"]
+
+
+def test_decode_node_frozen_mid_transfer_fails_the_write_at_its_deadline_then_lost_streams_finish_elsewhere(
+        cluster, nixl, tcp_text):
+    p, victim, node = nixl["prefill"], _victim(cluster, nixl), cluster.decode_nodes[0]
+    failovers = metric(scrape(cluster.router.info["http"]), "tandem_request_failovers_total")
+    failed = metric(scrape(p.info["metrics"]), "tandem_kv_transfer_failures_total")
+    streams = _stream_into(cluster, node, victim)
     cluster.net.freeze(node)                        # mid-transfer: its NIXL writes stop completing ...
     frozen_at = time.monotonic()
     # ... and the prefill worker's deadline fails them: it does not wait on a stopped peer forever.
@@ -270,14 +316,25 @@ def test_decode_node_lost_mid_transfer_streams_finish_on_the_other_and_prefill_d
           f"(deadline {KV_LEASE_S} s)")
     assert "not done by its deadline" in (cluster.logs / f"{p.name}.log").read_text(errors="replace")
     cluster.net.kill(node)                          # ... and the node is gone: a power cut
-    assert streams.join_result() == tcp_text         # every stream whole, on the other decode node
-    moved = metric(scrape(cluster.router.info["http"]), "tandem_request_failovers_total") - router_failovers
-    assert moved >= 1, "no request failed over from the lost node"
+    _streams_whole_and_prefill_let_go(cluster, p, streams, failovers, tcp_text)
 
-    # The prefill worker let go of everything it had for the lost node and still serves.
-    deadline = time.monotonic() + 2 * KV_LEASE_S + 10
-    while (held := [metric(scrape(p.info["metrics"]), name)
-                    for name in ("tandem_num_requests_transferring", "tandem_kv_cache_usage_ratio")]) != [0, 0]:
-        assert time.monotonic() < deadline, f"the prefill worker still holds transfers or blocks: {held}"
-        time.sleep(0.2)
-    assert Streams(cluster.url, PROMPTS[:2], MAX_TOKENS).join_result() == tcp_text[:2]
+
+def test_decode_node_killed_mid_transfer_streams_finish_elsewhere_and_no_write_waits_for_its_deadline(
+        cluster, nixl, tcp_text):
+    p, victim, node = nixl["prefill"], _victim(cluster, nixl), cluster.decode_nodes[0]
+    failovers = metric(scrape(cluster.router.info["http"]), "tandem_request_failovers_total")
+    log = cluster.logs / f"{p.name}.log"
+    streams = _stream_into(cluster, node, victim)
+    logged = log.stat().st_size
+    cluster.net.kill(node)                          # a power cut while KV flows into it
+    killed_at = time.monotonic()
+    _streams_whole_and_prefill_let_go(cluster, p, streams, failovers, tcp_text)
+    # UCX saw the peer's sockets close: the write in flight failed then (or its request was aborted
+    # by the failover first). A write left waiting would have stalled the sender for its deadline,
+    # and the prefill worker logs that sender's eviction ("N ops stalled") once it passed.
+    time.sleep(max(0.0, killed_at + KV_LEASE_S + 2 - time.monotonic()))
+    with open(log, "rb") as f:
+        f.seek(logged)
+        since = f.read().decode(errors="replace").splitlines()
+    waited = [line for line in since if "stalled" in line or "by its deadline" in line]
+    assert not waited, waited
