@@ -6,7 +6,10 @@ block_size, num_kv_heads, head_dim]`` and a sequence's token at position p lives
 ``block_table[p // block_size]`` at offset ``p % block_size``. The torch path gathers (copies)
 every context out of the pool per layer before SDPA; these kernels walk the block table instead,
 one sequence's KV heads (decode, with sequences enough for every thread) or one (sequence, KV
-head) per OpenMP work item, with an online softmax in float32.
+head) per OpenMP work item, with an online softmax in float32. Decode can split a context longer
+than ``partition_tokens`` into partitions of that many keys, separate work items merged by
+log-sum-exp (flash-decoding), so a long document among short chats, or alone, keeps both threads
+busy; off by default (``DECODE_PARTITION_TOKENS``) until measured to help.
 
 Queries and caches may be float32 or bfloat16; other dtypes take the torch path. Kernels use
 ``torch.get_num_threads()`` threads, and results do not depend on the thread count. Prefill
@@ -37,6 +40,9 @@ __all__ = ["KernelBuildError", "decode_attention", "load_kernels", "prefill_atte
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 SDPA_MIN_CHUNK = 128   # bfloat16 prefill chunks this long take SDPA on AMX CPUs (module docstring)
+# > 0: decode splits longer contexts into partitions of this many keys; 0 (off) until a quiet
+# A/B shows a gain (docs/performance.md, 2026-11-27)
+DECODE_PARTITION_TOKENS = 0
 _AMX = "amx_bf16" in cpu_flags()
 
 # index_copy_ into the pool is a plain scatter of a few rows: nothing to gain in C.
@@ -77,8 +83,9 @@ def _check_shapes(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _run(fn, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
          block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor | None,
-         scale: float) -> torch.Tensor:
-    """Call one kernel; ``query_start_loc`` is None for decode (one query row per sequence)."""
+         scale: float, *extra: int) -> torch.Tensor:
+    """Call one kernel; ``query_start_loc`` is None for decode (one query row per sequence);
+    ``extra`` follows the thread count (decode: the partition length)."""
     num_seqs = seq_lens.shape[0]
     num_rows = num_seqs if query_start_loc is None else int(query_start_loc[-1])
     _check_shapes(query, k_cache, v_cache, block_tables, num_seqs, num_rows)
@@ -97,7 +104,7 @@ def _run(fn, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             seq_lens.data_ptr(),
                             None if query_start_loc is None else query_start_loc.data_ptr(), num_seqs)
     status = fn(ctypes.byref(queries), ctypes.byref(kv), ctypes.byref(seqs), scale,
-                torch.get_num_threads())
+                torch.get_num_threads(), *extra)
     if status != 0:
         raise ValueError(f"paged attention kernel: {cpu_kernels.STATUS_MESSAGES.get(status, status)}")
     return out
@@ -150,17 +157,21 @@ def _split_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
-                     scale: float) -> torch.Tensor:
+                     scale: float, *, partition_tokens: int = DECODE_PARTITION_TOKENS) -> torch.Tensor:
     """One query token per sequence over its whole cached context.
 
     query: ``[num_seqs, num_heads, head_dim]``; seq_lens count the current token, whose K/V is
-    already cached. A sequence of length 0 (batch padding) yields zeros.
+    already cached. A sequence of length 0 (batch padding) yields zeros. Contexts longer than
+    ``partition_tokens`` are split into partitions of that many keys, merged by log-sum-exp
+    (0: never split).
     """
     if not _supported(query, k_cache, v_cache):
         return torch_backend.decode_attention(query, k_cache, v_cache, block_tables, seq_lens,
                                               max_seq_len, scale)
+    if partition_tokens < 0:
+        raise ValueError(f"partition_tokens={partition_tokens} must be >= 0 (0: never split)")
     return _run(load_kernels().tandem_paged_decode, query, k_cache, v_cache, block_tables,
-                _int32(seq_lens), None, scale)
+                _int32(seq_lens), None, scale, partition_tokens)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"   # every C source and the headers they share
 SOURCE = CSRC / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI_VERSION = 1  # tandem_abi_version() in the C source; bump both when the structs change
+ABI_VERSION = 2  # tandem_abi_version() in the C source; bump both when the structs change
 COMPILE_TIMEOUT_S = 120
 
 # C return codes -> what went wrong
@@ -167,10 +167,11 @@ def open_library(path: Path) -> ctypes.CDLL:
         raise KernelBuildError(f"cannot load {path}: {e}") from e
     if lib.tandem_abi_version() != ABI_VERSION:
         raise KernelBuildError(f"{path} has ABI version {lib.tandem_abi_version()}, expected {ABI_VERSION}")
-    for name in ("tandem_paged_decode", "tandem_paged_prefill"):
-        fn = getattr(lib, name)
-        fn.argtypes = [ctypes.POINTER(Queries), ctypes.POINTER(KVCache), ctypes.POINTER(Seqs),
-                       ctypes.c_float, ctypes.c_int32]
+    common: list[type] = [ctypes.POINTER(Queries), ctypes.POINTER(KVCache), ctypes.POINTER(Seqs),
+                          ctypes.c_float, ctypes.c_int32]  # ..., scale, num_threads
+    lib.tandem_paged_prefill.argtypes = common
+    lib.tandem_paged_decode.argtypes = [*common, ctypes.c_int32]  # ..., partition_tokens
+    for fn in (lib.tandem_paged_prefill, lib.tandem_paged_decode):
         fn.restype = ctypes.c_int
     return lib
 

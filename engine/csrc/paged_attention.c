@@ -6,15 +6,17 @@
  * [num_blocks, block_size, num_kv_heads, head_dim] with head_dim contiguous, and a sequence's
  * token at position p lives in block block_table[p / block_size] at offset p % block_size.
  * Query head h reads kv head h / (num_heads / num_kv_heads). Softmax and accumulation are
- * float32; scores are float32 products too, except in bfloat16 prefill on CPUs with AVX512-BF16,
- * where scores and values are vdpbf16ps products (bfloat16 pairs summed in float32, the softmax
- * weights rounded to bfloat16 for the values). Outputs have the query's dtype. Only slots inside a sequence's context are read,
- * so the rest of the pool may hold anything.
+ * float32; scores are float32 products too, except for bfloat16 queries and caches on CPUs with
+ * AVX512-BF16, where scores and values are vdpbf16ps products read from the cache as they lie
+ * (bfloat16 pairs summed in float32, the softmax weights rounded to bfloat16 for the values).
+ * Outputs have the query's dtype. Only slots inside a sequence's context are read, so the rest
+ * of the pool may hold anything.
  *
  * Both kernels walk a sequence's context in tiles of KEY_TILE tokens with an online softmax:
- * scores for the tile, then one rescale of the running sums, then the tile's values. Every
- * output row is computed by one thread in a fixed order, so results do not depend on the
- * number of threads. The hot loops have an AVX-512 version (head_dim a multiple of 16) and a
+ * scores for the tile, then one rescale of the running sums, then the tile's values. Decode may
+ * cut a long context into partitions (by its length alone) whose partial results are merged by
+ * log-sum-exp. Every output row, or partition, is computed by one thread in a fixed order and
+ * partitions merge in order, so results do not depend on the number of threads. The hot loops have an AVX-512 version (head_dim a multiple of 16) and a
  * portable one. Plain C with OpenMP and no torch headers: it builds in about a second.
  */
 #include <math.h>
@@ -25,7 +27,7 @@
 #include "bf16.h"
 #include "avx512.h"
 
-#define ABI_VERSION 1
+#define ABI_VERSION 2
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 /* Return codes; engine/attention/cpu_kernels.py turns them into exceptions. */
 enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_SEQ_LEN = 3, ERR_BAD_BLOCK_ID = 4 };
@@ -460,120 +462,11 @@ static void reset_rows(scratch_t *s, int rows, int d) {
     }
 }
 
-/* ------------------------------------------------------------------------------ decode */
-
-/* One decode work item: sequence `seq`'s KV heads [first_kv_head, + heads_per_item). */
-static inline __attribute__((always_inline)) void decode_item(
-        scratch_t *sp, const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs, int seq,
-        int first_kv_head, int heads_per_item, int group, int d, float scale, int *status) {
-    scratch_t s = *sp;
-    const int32_t seq_len = seqs->seq_lens[seq];
-    const int32_t *table = seqs->block_tables + seq * seqs->block_table_stride;
-    for (int h = 0; h < heads_per_item; h++)
-        load_queries(s.q + (int64_t)h * group * d, s.row, qs, seq, (first_kv_head + h) * group, group,
-                     group, d, scale * LOG2E);
-    reset_rows(&s, group * heads_per_item, d);
-    for (int32_t start = 0; start < seq_len; start += KEY_TILE) {
-        const int n = seq_len - start < KEY_TILE ? seq_len - start : KEY_TILE;
-        if (!blocks_valid(table, start, n, kv)) {
-#pragma omp atomic write
-            *status = ERR_BAD_BLOCK_ID;
-            break;
-        }
-        for (int h = 0; h < heads_per_item; h++) {
-            const int kv_head = first_kv_head + h, more = h == 0 ? heads_per_item - 1 : 0;
-            const int64_t rows = (int64_t)h * group;
-            tile_rows(s.k_rows, s.k_buf, kv, 0, table, start, n, kv_head, more);
-            for (int j = n; j % 16; j++) s.k_rows[j] = s.k_rows[0]; /* tile_dots reads 16 at a time */
-            tile_rows(s.v_rows, s.v_buf, kv, 1, table, start, n, kv_head, more);
-            tile_dots(s.scores + rows * KEY_TILE, s.q + rows * d, s.k_rows, group, n, d);
-            for (int r = rows; r < rows + group; r++)
-                s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, n, n, &s.running_max[r],
-                                          &s.running_sum[r]);
-            tile_values(s.acc + rows * d, s.alpha + rows, s.scores + rows * KEY_TILE, s.v_rows, group, n, d);
-        }
-    }
-    for (int h = 0; h < heads_per_item; h++)
-        store_outputs(qs, s.acc + (int64_t)h * group * d, s.running_sum + h * group, seq,
-                      (first_kv_head + h) * group, group, group, d);
-}
-
-
-/* order[0..n) := the sequences, longest context first (insertion sort: a batch is small). */
-static void longest_first(int32_t *order, const int32_t *lens, int n) {
-    for (int i = 0; i < n; i++) {
-        int j = i;
-        for (; j > 0 && lens[order[j - 1]] < lens[i]; j--) order[j] = order[j - 1];
-        order[j] = i;
-    }
-}
-
-/* One query token per sequence over its whole context: row i of the queries belongs to
- * sequence i. A work item is a sequence and a run of its KV heads, each read once for its whole
- * GQA group: all of them when there are sequences enough to keep every thread busy and no one
- * context is more than a thread's share of all of them (a token's heads lie side by side in the
- * pool, so the item streams whole blocks), else one. When the contexts' lengths are mixed (a
- * long document among short chats), items go to the threads longest context first, each to the
- * next free thread, so the threads end together instead of one finishing a long one alone. */
-int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs,
-                        float scale, int32_t num_threads) {
-    const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
-    const int d = kv->head_dim;
-    if (group < 1 || group * kv->num_kv_heads != qs->num_heads || d < 1) return ERR_BAD_SHAPE;
-    int64_t total_len = 0;
-    int32_t max_len = 0;
-    for (int s = 0; s < seqs->num_seqs; s++) {
-        if (!context_valid(seqs, kv, s)) return ERR_BAD_SEQ_LEN;
-        total_len += seqs->seq_lens[s];
-        if (seqs->seq_lens[s] > max_len) max_len = seqs->seq_lens[s];
-    }
-    const int heads_per_item = seqs->num_seqs >= 2 * num_threads && (int64_t)max_len * num_threads <= total_len
-                               ? kv->num_kv_heads : 1;
-    const int items_per_seq = kv->num_kv_heads / heads_per_item;
-    const int64_t num_items = (int64_t)seqs->num_seqs * items_per_seq;
-    /* Mixed lengths (the longest over twice the mean): longest first, each item to the next free
-     * thread. Else in order, in even shares: for equal contexts that measured up to 8% faster. */
-    const int mixed = seqs->num_seqs > 0 && (int64_t)max_len * seqs->num_seqs > 2 * total_len;
-    int32_t *order = NULL;
-    if (mixed) {
-        order = malloc(sizeof(int32_t) * seqs->num_seqs);
-        if (!order) return ERR_NO_MEMORY;
-        longest_first(order, seqs->seq_lens, seqs->num_seqs);
-    }
-    int status = OK;
-
-#pragma omp parallel num_threads(num_threads)
-    {
-        scratch_t s;
-        const int ok = scratch_alloc(&s, group * heads_per_item, d, 0);
-        if (!ok) {
-#pragma omp atomic write
-            status = ERR_NO_MEMORY;
-        }
-        if (mixed) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < num_items; item++)
-                if (ok) decode_item(&s, qs, kv, seqs, order[item / items_per_seq],
-                                    (int)(item % items_per_seq) * heads_per_item, heads_per_item, group, d, scale,
-                                    &status);
-        } else {
-#pragma omp for schedule(static)
-            for (int64_t item = 0; item < num_items; item++)
-                if (ok) decode_item(&s, qs, kv, seqs, (int)(item / items_per_seq),
-                                    (int)(item % items_per_seq) * heads_per_item, heads_per_item, group, d, scale,
-                                    &status);
-        }
-        scratch_free(&s);
-    }
-    free(order);
-    return status;
-}
-
-/* ------------------------------------------------------------ prefill, bfloat16 products */
+/* -------------------------------------------------------------------- bfloat16 products */
 
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
-/* A bfloat16 prefill item's buffers: queries, the K tile as dimension pairs, the V tile as key
+/* A bfloat16 item's buffers: queries, the K tile as dimension pairs (prefill), the V tile as key
  * pairs, the softmax weights in bfloat16. */
 typedef struct {
     uint16_t *q;   /* [rows][d] */
@@ -624,6 +517,29 @@ static void tile_scores_bf16(float *restrict scores, const uint16_t *restrict q,
         for (int a = 0; a < R; a++)
             for (int c = 0; c < 4; c++)
                 _mm512_storeu_ps(scores + (r + a) * KEY_TILE + 16 * c, _mm512_mul_ps(acc[a][c], vscale));
+    }
+}
+
+/* scores[r * KEY_TILE + j] = scale * q_r . k_j for `rows` query rows against n keys read where
+ * they lie in the bfloat16 cache (decode: few rows, so dots of whole rows, as tile_dots): each
+ * vdpbf16ps multiplies 32 dimensions of a key by the query's, summing pairs in float32. offsets
+ * must hold n rounded up to 16 entries; scores past n are garbage. d is a multiple of 32. */
+static void tile_dots_bf16(float *restrict scores, const uint16_t *restrict q, const void *cache,
+                           const int64_t *offsets, int rows, int n, int d, float scale) {
+    const uint16_t *k = cache;
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *restrict qr = q + (int64_t)r * d;
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            __m512 acc[16];
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+            for (int i = 0; i < d; i += 32) {
+                const __m512bh qi = (__m512bh)_mm512_loadu_si512(qr + i);
+                for (int j = 0; j < 16; j++)
+                    acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)_mm512_loadu_si512(k + offsets[j0 + j] + i), qi);
+            }
+            _mm512_storeu_ps(scores + r * KEY_TILE + j0, _mm512_mul_ps(sum_lanes16(acc), vscale));
+        }
     }
 }
 
@@ -717,6 +633,254 @@ static void tile_values_bf16(float *restrict acc, const float *restrict alpha, c
 #else
 #define HAVE_BF16_DOT 0
 #endif
+
+/* ------------------------------------------------------------------------------ decode */
+
+/* A decode unit: keys [start, end) of sequence seq's context, all of it or one partition of a
+ * long one. partial is the partition's slot in partials_t, or -1 for a whole context, whose
+ * items write the output rows themselves. */
+typedef struct {
+    int32_t seq, start, end, partial;
+} unit_t;
+
+/* A split context: its partitions hold partial slots [first_partial, + num_parts). */
+typedef struct {
+    int32_t seq, first_partial, num_parts;
+} split_t;
+
+/* What all decode items of one call share. A split context's partitions leave, per query head,
+ * their accumulator (not divided by the sum), running max (log2 domain) and sum in
+ * partial_acc / partial_max_sum, for the log-sum-exp merge. */
+typedef struct {
+    const queries_t *qs;
+    const kv_cache_t *kv;
+    const seqs_t *seqs;
+    float *partial_acc;     /* [num_partials][num_heads][d] */
+    float *partial_max_sum; /* [num_partials][num_heads][2] */
+    float scale;
+    int group, d, heads_per_item, use_bf16;
+} decode_job_t;
+
+/* Scores, softmax and values of one tile of n keys at `start` for one KV head's GQA group,
+ * rows [row0, row0 + group) of the item's scratch; float32 products (bfloat16 rows converted). */
+static void decode_tile_f32(scratch_t *s, const decode_job_t *job, const int32_t *table, int32_t start,
+                            int n, int kv_head, int more_heads, int row0) {
+    const int group = job->group, d = job->d;
+    tile_rows(s->k_rows, s->k_buf, job->kv, 0, table, start, n, kv_head, more_heads);
+    for (int j = n; j % 16; j++) s->k_rows[j] = s->k_rows[0]; /* tile_dots reads 16 at a time */
+    tile_rows(s->v_rows, s->v_buf, job->kv, 1, table, start, n, kv_head, more_heads);
+    tile_dots(s->scores + row0 * KEY_TILE, s->q + (int64_t)row0 * d, s->k_rows, group, n, d);
+    for (int r = row0; r < row0 + group; r++)
+        s->alpha[r] = softmax_tile(s->scores + r * KEY_TILE, n, n, &s->running_max[r], &s->running_sum[r]);
+    tile_values(s->acc + (int64_t)row0 * d, s->alpha + row0, s->scores + row0 * KEY_TILE, s->v_rows, group, n, d);
+}
+
+#if HAVE_BF16_DOT
+/* decode_tile_f32 with vdpbf16ps products straight from the bfloat16 cache: queries as they
+ * came (bfloat16, exact), the softmax weights rounded to bfloat16 for the values. */
+static void decode_tile_bf16(scratch_t *s, bf16_scratch_t *b, const decode_job_t *job, const int32_t *table,
+                             int32_t start, int n, int kv_head, int more_heads, int row0) {
+    const int group = job->group, d = job->d;
+    int64_t k_offsets[KEY_TILE], v_offsets[KEY_TILE];
+    tile_offsets(k_offsets, job->kv, 0, table, start, n, kv_head, more_heads);
+    for (int j = n; j % 16; j++) k_offsets[j] = k_offsets[0]; /* tile_dots_bf16 reads 16 at a time */
+    tile_offsets(v_offsets, job->kv, 1, table, start, n, kv_head, more_heads);
+    tile_dots_bf16(s->scores + row0 * KEY_TILE, b->q + (int64_t)row0 * d, job->kv->k, k_offsets, group, n, d,
+                   job->scale * LOG2E);
+    for (int r = row0; r < row0 + group; r++)
+        s->alpha[r] = softmax_tile(s->scores + r * KEY_TILE, n, n, &s->running_max[r], &s->running_sum[r]);
+    pair_values_bf16(b->vp, job->kv->v, v_offsets, n, d);
+    tile_values_bf16(s->acc + (int64_t)row0 * d, s->alpha + row0, s->scores + row0 * KEY_TILE, b->p, b->vp,
+                     group, n, d);
+}
+#endif
+
+/* One decode work item: unit u's keys for KV heads [first_kv_head, + heads_per_item). */
+static void decode_item(scratch_t *s, void *bf16_scratch, const decode_job_t *job, const unit_t *u,
+                        int first_kv_head, int *status) {
+    const queries_t *qs = job->qs;
+    const int group = job->group, d = job->d, heads = job->heads_per_item, rows = group * heads;
+    const int first_head = first_kv_head * group;
+    const int32_t *table = job->seqs->block_tables + u->seq * job->seqs->block_table_stride;
+#if HAVE_BF16_DOT
+    bf16_scratch_t *b = bf16_scratch;
+    if (job->use_bf16)
+        for (int r = 0; r < rows; r++)
+            memcpy(b->q + (int64_t)r * d, (const uint16_t *)qs->q + u->seq * qs->q_token_stride
+                   + (first_head + r) * qs->q_head_stride, sizeof(uint16_t) * d);
+    else
+#else
+    (void)bf16_scratch;
+#endif
+        load_queries(s->q, s->row, qs, u->seq, first_head, rows, rows, d, job->scale * LOG2E);
+    reset_rows(s, rows, d);
+    for (int32_t start = u->start; start < u->end; start += KEY_TILE) {
+        const int n = u->end - start < KEY_TILE ? u->end - start : KEY_TILE;
+        if (!blocks_valid(table, start, n, job->kv)) {
+#pragma omp atomic write
+            *status = ERR_BAD_BLOCK_ID;
+            break;
+        }
+        for (int h = 0; h < heads; h++) {
+            const int more = h == 0 ? heads - 1 : 0;
+#if HAVE_BF16_DOT
+            if (job->use_bf16)
+                decode_tile_bf16(s, b, job, table, start, n, first_kv_head + h, more, h * group);
+            else
+#endif
+                decode_tile_f32(s, job, table, start, n, first_kv_head + h, more, h * group);
+        }
+    }
+    if (u->partial < 0) {
+        store_outputs(qs, s->acc, s->running_sum, u->seq, first_head, rows, rows, d);
+        return;
+    }
+    /* query head first_head + r of partition u->partial: slot u->partial * num_heads + that head */
+    const int64_t slot = (int64_t)u->partial * qs->num_heads + first_head;
+    memcpy(job->partial_acc + slot * d, s->acc, sizeof(float) * rows * d);
+    for (int r = 0; r < rows; r++) {
+        job->partial_max_sum[2 * (slot + r)] = s->running_max[r];
+        job->partial_max_sum[2 * (slot + r) + 1] = s->running_sum[r];
+    }
+}
+
+/* A split context's output rows from its partitions: each partition's accumulator and sum
+ * rescaled to the largest of their maxima (log-sum-exp), summed in partition order. */
+static void merge_partitions(const decode_job_t *job, const split_t *sp, float *restrict acc) {
+    const queries_t *qs = job->qs;
+    const int d = job->d;
+    for (int head = 0; head < qs->num_heads; head++) {
+        float max = -INFINITY, sum = 0.0f;
+        for (int p = 0; p < sp->num_parts; p++) {
+            const float m = job->partial_max_sum[2 * ((int64_t)(sp->first_partial + p) * qs->num_heads + head)];
+            max = m > max ? m : max;
+        }
+        memset(acc, 0, sizeof(float) * d);
+        for (int p = 0; p < sp->num_parts; p++) {
+            const int64_t slot = (int64_t)(sp->first_partial + p) * qs->num_heads + head;
+            const float m = job->partial_max_sum[2 * slot];
+            const float w = m == -INFINITY ? 0.0f : exp2_nonpositive(m - max);
+            const float *restrict part = job->partial_acc + slot * d;
+            sum += w * job->partial_max_sum[2 * slot + 1];
+            for (int i = 0; i < d; i++) acc[i] += w * part[i];
+        }
+        store_row(qs->out, qs->dtype, sp->seq * qs->out_token_stride + head * qs->out_head_stride, acc,
+                  sum > 0.0f ? 1.0f / sum : 0.0f, d);
+    }
+}
+
+/* Longest unit first; ties in sequence and position order, so the order is the same every call. */
+static int longer_unit_first(const void *a, const void *b) {
+    const unit_t *x = a, *y = b;
+    const int32_t lx = x->end - x->start, ly = y->end - y->start;
+    if (lx != ly) return lx > ly ? -1 : 1;
+    if (x->seq != y->seq) return x->seq < y->seq ? -1 : 1;
+    return x->start < y->start ? -1 : x->start > y->start;
+}
+
+/* One query token per sequence over its whole context: row i of the queries belongs to
+ * sequence i. A context longer than partition_tokens (> 0) is split into partitions of that
+ * many keys (the last one shorter), each its own work unit, merged by log-sum-exp once all are
+ * done (flash-decoding), so one long context no longer leaves a thread idle. How a context is
+ * split depends on its length alone, so results depend neither on the thread count nor on the
+ * other sequences in the batch. A work item is a unit and a run of its KV heads, each read once
+ * for its whole GQA group: all of them when there are units enough to keep every thread busy
+ * and no unit is more than a thread's share of all of them (a token's heads lie side by side in
+ * the pool, so the item streams whole blocks), else one. When the units' lengths are mixed,
+ * items go to the threads longest first, each to the next free thread, so the threads end
+ * together. */
+int tandem_paged_decode(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs, float scale,
+                        int32_t num_threads, int32_t partition_tokens) {
+    const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
+    const int d = kv->head_dim;
+    if (group < 1 || group * kv->num_kv_heads != qs->num_heads || d < 1) return ERR_BAD_SHAPE;
+    int64_t total_len = 0, num_units = 0, num_partials = 0, num_splits = 0;
+    for (int s = 0; s < seqs->num_seqs; s++) {
+        if (!context_valid(seqs, kv, s)) return ERR_BAD_SEQ_LEN;
+        const int32_t len = seqs->seq_lens[s];
+        const int32_t parts = partition_tokens > 0 && len > partition_tokens
+                              ? (len + partition_tokens - 1) / partition_tokens : 1;
+        total_len += len;
+        num_units += parts;
+        if (parts > 1) {
+            num_partials += parts;
+            num_splits++;
+        }
+    }
+    unit_t *units = malloc(sizeof(unit_t) * (num_units + 1));
+    split_t *splits = malloc(sizeof(split_t) * (num_splits + 1));
+    float *partial_acc = malloc(sizeof(float) * (num_partials * qs->num_heads * d + 1));
+    float *partial_max_sum = malloc(sizeof(float) * (num_partials * qs->num_heads * 2 + 1));
+    if (!(units && splits && partial_acc && partial_max_sum)) {
+        free(units); free(splits); free(partial_acc); free(partial_max_sum);
+        return ERR_NO_MEMORY;
+    }
+    int64_t u = 0, next_partial = 0, next_split = 0;
+    int32_t max_unit = 0;
+    for (int s = 0; s < seqs->num_seqs; s++) {
+        const int32_t len = seqs->seq_lens[s];
+        const int32_t step = partition_tokens > 0 && len > partition_tokens ? partition_tokens : (len > 0 ? len : 1);
+        const int split = len > step;
+        if (split) splits[next_split++] = (split_t){s, (int32_t)next_partial, (len + step - 1) / step};
+        for (int32_t start = 0; start < len || start == 0; start += step) {
+            const int32_t end = len - start < step ? len : start + step;
+            units[u++] = (unit_t){s, start, end, split ? (int32_t)next_partial++ : -1};
+            if (end - start > max_unit) max_unit = end - start;
+        }
+    }
+    const int heads_per_item = num_units >= 2 * num_threads && (int64_t)max_unit * num_threads <= total_len
+                               ? kv->num_kv_heads : 1;
+    const int items_per_unit = kv->num_kv_heads / heads_per_item;
+    const int64_t num_items = num_units * items_per_unit;
+    /* Mixed lengths (a split context, whose last part is shorter and whose neighbours usually
+     * are, or the longest unit over twice the mean): longest first, each item to the next free
+     * thread. Else in order, in even shares: for equal contexts that measured up to 8% faster. */
+    const int mixed = num_splits > 0 || (num_units > 0 && (int64_t)max_unit * num_units > 2 * total_len);
+    if (mixed) qsort(units, num_units, sizeof(unit_t), longer_unit_first);
+    const decode_job_t job = {qs, kv, seqs, partial_acc, partial_max_sum, scale, group, d, heads_per_item,
+                              HAVE_BF16_DOT && kv->dtype == DTYPE_BFLOAT16 && qs->dtype == DTYPE_BFLOAT16
+                              && d % 32 == 0};
+    int status = OK;
+
+#pragma omp parallel num_threads(num_threads)
+    {
+        scratch_t s;
+        const int rows = group * heads_per_item;
+#if HAVE_BF16_DOT
+        bf16_scratch_t b = {0};
+        const int ok = scratch_alloc(&s, rows, d, 0) && (!job.use_bf16 || bf16_scratch_alloc(&b, rows, d));
+        void *bf16_scratch = &b;
+#else
+        const int ok = scratch_alloc(&s, rows, d, 0);
+        void *bf16_scratch = NULL;
+#endif
+        if (!ok) {
+#pragma omp atomic write
+            status = ERR_NO_MEMORY;
+        }
+        if (mixed) {
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < num_items; item++)
+                if (ok) decode_item(&s, bf16_scratch, &job, &units[item / items_per_unit],
+                                    (int)(item % items_per_unit) * heads_per_item, &status);
+        } else {
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < num_items; item++)
+                if (ok) decode_item(&s, bf16_scratch, &job, &units[item / items_per_unit],
+                                    (int)(item % items_per_unit) * heads_per_item, &status);
+        }
+        /* the loops' barrier: every partition is done */
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < num_splits; i++)
+            if (ok && status == OK) merge_partitions(&job, &splits[i], s.row);
+        scratch_free(&s);
+#if HAVE_BF16_DOT
+        if (job.use_bf16) bf16_scratch_free(&b);
+#endif
+    }
+    free(units); free(splits); free(partial_acc); free(partial_max_sum);
+    return status;
+}
 
 /* ----------------------------------------------------------------------------- prefill */
 

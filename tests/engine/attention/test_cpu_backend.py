@@ -46,10 +46,12 @@ def threads():
 # ------------------------------------------------------------------------------------ helpers
 
 def _decode_case(gen, seq_lens, *, group, num_kv_heads=2, head_dim=64, block_size=16,
-                 dtype=torch.float32):
+                 dtype=torch.float32, partition_tokens=cpu_backend.DECODE_PARTITION_TOKENS,
+                 query_scale=1.0):
     paged = make_paged_kv(gen, seq_lens, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           block_size=block_size, dtype=dtype)
-    query = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
+    query = (torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+             * query_scale).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim ** -0.5
     ref = torch_backend.decode_attention(query.double(), paged.k_cache.double(),
@@ -59,7 +61,8 @@ def _decode_case(gen, seq_lens, *, group, num_kv_heads=2, head_dim=64, block_siz
 
     def run() -> torch.Tensor:
         return cpu_backend.decode_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
-                                            lens, max(seq_lens), scale)
+                                            lens, max(seq_lens), scale,
+                                            partition_tokens=partition_tokens)
     return run, ref
 
 
@@ -91,11 +94,66 @@ def _check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
 # ------------------------------------------------------------------------------------- decode
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])   # bfloat16 values take 64 dims at a time, then 32
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_decode_matches_float64_reference(gen, dtype, head_dim, group):
     run, ref = _decode_case(gen, DECODE_SEQ_LENS, group=group, head_dim=head_dim, dtype=dtype)
     _check(run(), ref, dtype)
+
+
+# Split points inside and at the ends of 64-key tiles and 16-token blocks; 1 makes every key a
+# partition. DECODE_SEQ_LENS's 300 then splits into 300 / p parts with a ragged last one.
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("partition_tokens", [1, 16, 37, 64, 100, 299])
+@pytest.mark.parametrize("group", [1, 3])
+def test_decode_split_contexts_match_float64_reference(gen, dtype, partition_tokens, group):
+    run, ref = _decode_case(gen, DECODE_SEQ_LENS, group=group, num_kv_heads=3, dtype=dtype,
+                            partition_tokens=partition_tokens)
+    _check(run(), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_split_merges_partitions_with_far_apart_maxima(gen, dtype):
+    """Queries scaled up make each partition's maximum score differ by tens (log2 units) from
+    the others': a merge that does not rescale every partition to the common maximum, or weighs
+    sums and accumulators differently, is far off. Also the engine's shape: one long context
+    among short ones, GQA 3."""
+    seq_lens = [1100, 128, 5, 128, 77, 128, 128, 128]
+    run, ref = _decode_case(gen, seq_lens, group=3, num_kv_heads=3, dtype=dtype, query_scale=8.0,
+                            partition_tokens=100)
+    _check(run(), ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_split_and_whole_contexts_agree(gen, threads, dtype):
+    """The same inputs split at 64 keys and not at all, on 1 and 2 threads: the split results
+    do not depend on the thread count, and split and whole agree with each other as closely as
+    each does with the float64 reference."""
+    seq_lens = [4096, 700, 64, 65]
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    query = (torch.randn(4, 9, 64, generator=gen) * 4).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = torch_backend.decode_attention(query.double(), paged.k_cache.double(), paged.v_cache.double(),
+                                         paged.block_tables, lens, 4096, 0.125)
+    paged.poison(float("nan"))
+
+    def run(partition_tokens: int) -> torch.Tensor:
+        return cpu_backend.decode_attention(query, paged.k_cache, paged.v_cache, paged.block_tables,
+                                            lens, 4096, 0.125, partition_tokens=partition_tokens)
+    threads(1)
+    whole, split_one = run(0), run(64)
+    threads(2)
+    split_two = run(64)
+    assert torch.equal(split_one, split_two)
+    _check(whole, ref, dtype)
+    _check(split_two, ref, dtype)
+    assert rel_err(split_two, whole) < TOLERANCE[dtype]
+
+
+def test_negative_partition_length_is_refused(gen):
+    run, _ = _decode_case(gen, [5], group=1, partition_tokens=-1)
+    with pytest.raises(ValueError, match="partition_tokens=-1 must be >= 0"):
+        run()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -296,13 +354,27 @@ def portable_kernels(tmp_path_factory):
     return cpu_kernels.open_library(path)
 
 
+@pytest.fixture(scope="module")
+def no_bf16_kernels(tmp_path_factory):
+    """The kernels built with AVX-512 but without AVX512-BF16: float32 products from bfloat16."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        path = cpu_kernels.build(cflags=(*cpu_kernels.CFLAGS, "-mno-avx512bf16"))
+    return cpu_kernels.open_library(path)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_portable_kernels_match_float64_reference(gen, portable_kernels, monkeypatch, dtype, kind):
-    monkeypatch.setattr(cpu_backend, "load_kernels", lambda: portable_kernels)
-    case = _decode_case if kind == "decode" else _prefill_case
-    run, ref = case(gen, DECODE_SEQ_LENS if kind == "decode" else PREFILL_CHUNKS, group=3,
-                    head_dim=64, dtype=dtype)
+@pytest.mark.parametrize("kind", ["decode", "split decode", "prefill"])
+@pytest.mark.parametrize("build", ["portable", "no avx512_bf16"])
+def test_other_builds_match_float64_reference(gen, portable_kernels, no_bf16_kernels, monkeypatch,
+                                              dtype, kind, build):
+    lib = portable_kernels if build == "portable" else no_bf16_kernels
+    monkeypatch.setattr(cpu_backend, "load_kernels", lambda: lib)
+    if kind == "prefill":
+        run, ref = _prefill_case(gen, PREFILL_CHUNKS, group=3, head_dim=64, dtype=dtype)
+    else:
+        run, ref = _decode_case(gen, DECODE_SEQ_LENS, group=3, head_dim=64, dtype=dtype,
+                                partition_tokens=37 if kind == "split decode" else 0)
     _check(run(), ref, dtype)
 
 
