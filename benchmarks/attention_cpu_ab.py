@@ -53,6 +53,8 @@ def baseline_library(rev: str, tmp: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(cpu_kernels.build(source_path=path)))
     lib.tandem_paged_decode.argtypes = [ctypes.POINTER(cpu_kernels.Queries), ctypes.POINTER(cpu_kernels.KVCache),
                                         ctypes.POINTER(cpu_kernels.Seqs), ctypes.c_float, ctypes.c_int32]
+    if lib.tandem_abi_version() >= 2:  # decode takes partition_tokens
+        lib.tandem_paged_decode.argtypes = [*lib.tandem_paged_decode.argtypes, ctypes.c_int32]
     lib.tandem_paged_decode.restype = ctypes.c_int
     return lib
 
@@ -81,7 +83,8 @@ def main() -> None:
         base = baseline_library(args.baseline, Path(tmp))
         new = cpu_kernels.open_library(cpu_kernels.build())
         no_bf16 = cpu_kernels.open_library(cpu_kernels.build(cflags=(*cpu_kernels.CFLAGS, "-mno-avx512bf16")))
-        variants = {args.baseline: decoder(base, None), "no split": decoder(new, 0),
+        base_partition = None if base.tandem_abi_version() < 2 else 0
+        variants = {args.baseline: decoder(base, base_partition), "no split": decoder(new, 0),
                     "no bf16 dot": decoder(no_bf16, args.partition_tokens),
                     "new": decoder(new, args.partition_tokens)}
         torch.set_num_threads(args.threads)
