@@ -36,6 +36,7 @@ from decode_worker.ops import POLL_FIELDS, Cancel, Expect, Fence, Poll, Release
 from decode_worker.ranks import DecodeRank
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.math_utils import cdiv
 from engine.serving.config import WorkerConfig
 from engine.serving.loop import EngineLoop
 from engine.serving.metrics import WorkerMetrics
@@ -220,7 +221,7 @@ class DecodeLoop(EngineLoop):
             self.prealloc.popleft()
             job.block_ids = block_ids
             # The first token's K/V is computed here, so only the prompt's blocks are written.
-            job.transfer_block_ids = job.block_ids[:-(-len(job.prompt_token_ids) // block_size)]
+            job.transfer_block_ids = job.block_ids[:cdiv(len(job.prompt_token_ids), block_size)]
             job.state = DecodeState.TRANSFERRING
             job.reserved_s = time.monotonic()
             self.transferring[job.request_id] = job

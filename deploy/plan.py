@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.capacity import capacity_lines
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, resolve_chunked_prefill_size
+from engine.math_utils import cdiv
 from engine.models.arch import ArchConfig
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -104,7 +105,7 @@ def make_plan(arch: ArchConfig, model: str, *, dtype: str, block_size: int, tens
     if arch.num_kv_heads % tp:
         raise ValueError(f"--tensor-parallel-size {tp} does not divide the model's {arch.num_kv_heads} KV heads")
     itemsize = DTYPE_BYTES[dtype]
-    weight_bytes = math.ceil(arch.num_params * itemsize / tp)
+    weight_bytes = cdiv(arch.num_params * itemsize, tp)
     kv_per_token = arch.kv_bytes_per_token(itemsize) // tp
     warnings: list[str] = []
     if kv_cache_memory is not None or memory_bytes is None:
@@ -124,7 +125,7 @@ def make_plan(arch: ArchConfig, model: str, *, dtype: str, block_size: int, tens
     num_blocks = budget // (block_size * kv_per_token)
     kv_tokens = num_blocks * block_size
     max_len = max_model_len or arch.max_position_embeddings
-    blocks_per_max = math.ceil(max_len / block_size)
+    blocks_per_max = cdiv(max_len, block_size)
     tokens_per_request = workload.avg_input_len + workload.avg_output_len
     concurrency = int(num_blocks // max(1, math.ceil(tokens_per_request / block_size)))
     recommended = None

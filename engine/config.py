@@ -135,6 +135,7 @@ class ModelConfig:
         object.__setattr__(self, "model", SIM_PREFIX + profile)
 
 
+DEFAULT_MAX_TOKENS = 16   # output tokens when a request names none (OpenAI's completions default)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30   # the KV pool of a CPU worker without --kv-cache-memory
 
 
@@ -384,7 +385,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     ignore_eos: bool = False
     logprobs: int | None = None
     structured: StructuredOutput | None = None   # the output follows this grammar

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.math_utils import cdiv
 from engine.model_errors import ModelFileError
 
 _MAGIC = b"GGUF"
@@ -198,7 +199,7 @@ class GGUFFile:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         alignment = _alignment(self.metadata)
-        data_start = -(-header_end // alignment) * alignment
+        data_start = cdiv(header_end, alignment) * alignment
         tensors = []
         for name, dims, type_id, offset in infos:
             field = f"tensor {name!r}"

@@ -13,6 +13,7 @@ from engine.block_manager import BlockAllocator
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 from engine.distributed import Leader, TPGroup
 from engine.kv_cache import KVPool
+from engine.math_utils import cdiv
 from engine.model_runner import ModelRunner
 from engine.model_source import ModelSource
 from engine.models.arch import ArchConfig
@@ -242,7 +243,7 @@ class LLMEngine:
         scheduler's estimate), or, with nothing running and no other transfer pending, whenever
         they are free, so a long request is not kept out by room only it would use. Hand them to
         ``add_prefilled`` or back to ``free_blocks``."""
-        num_blocks = -(-num_tokens // self.allocator.block_size)
+        num_blocks = cdiv(num_tokens, self.allocator.block_size)
         if not self.scheduler.can_reserve(num_blocks, num_future_tokens):
             if self.scheduler.running or transfers_pending:
                 return None   # wait for running requests to finish

@@ -32,6 +32,7 @@ from engine.config import (
 from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVPool, KVPoolShape, capacity_lines
 from engine.loader import Checkpoint, resolve_model
+from engine.math_utils import cdiv
 from engine.models import llama, moe, quant_linear
 from engine.models.arch import ArchConfig
 from engine.models.layers import RotaryEmbedding, TensorParallel, can_pack_linear
@@ -243,7 +244,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(num_tokens, self.max_model_len)
-        probe = KVPool(self.layout, -(-num_tokens // self.block_size), self.device)
+        probe = KVPool(self.layout, cdiv(num_tokens, self.block_size), self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         inputs = self._prepare_prefill_probe(ids)
         with torch.inference_mode():
@@ -263,7 +264,7 @@ class ModelRunner:
 
     def _prepare_prefill_probe(self, ids: torch.Tensor) -> ForwardInputs:
         n = ids.shape[0]
-        table = list(range(-(-n // self.block_size)))
+        table = list(range(cdiv(n, self.block_size)))
         return self.to_device(StepInputs([0] * n, list(range(n)), list(range(n)), [0, n], [n], [table],
                                          [], [], [n - 1]))
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockAllocator
 from engine.config import SchedulerConfig
+from engine.math_utils import cdiv
 from engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,7 @@ class Scheduler:
 
     # -- blocks ---------------------------------------------------------------------------
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         extra = self._blocks_for(num_tokens) - len(seq.block_ids)

@@ -22,6 +22,7 @@ from typing import Any
 import kvtransfer
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.math_utils import cdiv
 from engine.scheduler import ScheduledBatch
 from engine.serving.config import WorkerConfig
 from engine.serving.loop import EngineLoop
@@ -117,7 +118,7 @@ class PrefillLoop(EngineLoop):
             return
         if job.destination is not None:
             raise ValueError(f"request_id={request_id!r} already has a destination")
-        num_blocks = -(-len(job.prompt_token_ids) // self.engine.block_size)
+        num_blocks = cdiv(len(job.prompt_token_ids), self.engine.block_size)
         if len(destination.block_ids) != num_blocks:
             raise ValueError(f"request_id={request_id!r}: {len(destination.block_ids)} destination blocks "
                              f"for a prompt that fills {num_blocks}")
@@ -194,7 +195,7 @@ class PrefillLoop(EngineLoop):
                 continue  # nowhere to send it yet: _ship writes every layer once it is known
             end = seq.num_computed_tokens + num_new
             src, dst = self._block_pairs(job, seq.block_ids)
-            upto = -(-end // block_size)
+            upto = cdiv(end, block_size)
             self._layer_writes.append([job.request_id, src[job.next_block:upto], dst[job.next_block:upto]])
             job.next_block = end // block_size
             job.shipping = True
@@ -227,7 +228,7 @@ class PrefillLoop(EngineLoop):
         job.shipping = True
 
     def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:
-        num_blocks = -(-len(job.prompt_token_ids) // self.engine.block_size)
+        num_blocks = cdiv(len(job.prompt_token_ids), self.engine.block_size)
         return src_block_ids[:num_blocks], job.destination.block_ids[:num_blocks]
 
     def _reap(self) -> None:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
+from engine.config import DEFAULT_MAX_TOKENS  # the engine's default when sampling.max_tokens is unset
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import worker_pb2
 from router import errors
@@ -51,7 +52,6 @@ from router.session import DecodeSession, PrefillSession, SessionCall, WorkerFai
 logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.DEADLINE_EXCEEDED})
-DEFAULT_MAX_TOKENS = 16  # the engine's default when sampling.max_tokens is unset
 
 
 @dataclass

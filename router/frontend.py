@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import jinja2
 
+from engine.config import DEFAULT_MAX_TOKENS
 from engine.tokenizer import Tokenizer
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import tandem_pb2, worker_pb2
@@ -106,7 +107,8 @@ class Frontend:
         return given or self.new_request_id()
 
     def prepare_prompt(self, prompt: str, prompt_token_ids: Sequence[int], sampling: tandem_pb2.Sampling,
-                       request_id: str = "", default_max_tokens: int | None = 16) -> PreparedRequest:
+                       request_id: str = "",
+                       default_max_tokens: int | None = DEFAULT_MAX_TOKENS) -> PreparedRequest:
         if bool(prompt) == bool(prompt_token_ids):
             raise errors.invalid_request("give exactly one of prompt (text) and prompt_token_ids", "prompt")
         request_id = self._request_id(request_id)

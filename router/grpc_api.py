@@ -152,7 +152,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
             def prepare() -> PreparedRequest:
                 frontend.check_model(request.model)
                 return frontend.prepare_prompt(request.prompt, request.prompt_token_ids, request.sampling,
-                                               request.request_id, default_max_tokens=16)
+                                               request.request_id)
             num_chars = len(request.prompt) + len(request.prompt_token_ids)
         return prepare, num_chars <= INLINE_CHARS
 

@@ -282,7 +282,7 @@ class HttpApi:
         for p, (text, token_ids) in enumerate(prompts):
             suffix = f"-p{p}" if len(prompts) > 1 else ""
             rid = f"{base}-0{suffix}" if body.n > 1 else f"{base}{suffix}"
-            first = self.frontend.prepare_prompt(text, token_ids, sampling, rid, default_max_tokens=16)
+            first = self.frontend.prepare_prompt(text, token_ids, sampling, rid)
             requests += self._fan_out(first, body.n, body.seed, base, suffix)
         return requests
 

@@ -20,6 +20,7 @@ from typing import Literal, TypeVar, Union
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from engine.config import DEFAULT_MAX_TOKENS
 from protos.tandem.v1 import tandem_pb2
 from router.errors import RouterError, clip, invalid_request
 from router.json_limits import MAX_JSON_DEPTH
@@ -172,7 +173,7 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
 

@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 
 from engine.config import (
+    DEFAULT_MAX_TOKENS,
     MAX_CACHE_SALT_CHARS,
     InvalidSamplingError,
     check_sampling,
@@ -112,7 +113,7 @@ def prepare_sampling(public: tandem_pb2.Sampling, num_prompt_tokens: int, max_mo
     elif max_model_len is not None:
         max_tokens = max(max_model_len - num_prompt_tokens, 1)
     else:
-        max_tokens = 16
+        max_tokens = DEFAULT_MAX_TOKENS
     if max_model_len is not None:
         if num_prompt_tokens >= max_model_len:
             raise invalid_request(f"This model's maximum context length is {max_model_len} tokens, but the prompt "

@@ -5,6 +5,7 @@ other -- engine and kvtransfer, kvtransfer and protos -- the second copy is chec
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvtransfer
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.config import DEFAULT_MAX_TOKENS, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.serving.config import KV_BACKENDS, NOT_FLAGS, PROCESS_KV_BACKENDS, WorkerConfig
 from kvtransfer.descriptor import TRANSPORTS
 from kvtransfer.messages import MAX_REQUEST_ID_LEN
@@ -28,6 +29,7 @@ DEFINED_IN = {
     "MAX_CLIENT_REQUEST_ID_CHARS": "protos/limits.py",
     "DEFAULT_CPU_KV_CACHE_BYTES": "engine/config.py",
     "MAX_LOGPROBS": "engine/config.py",
+    "DEFAULT_MAX_TOKENS": "engine/config.py",
     "BACKENDS": "kvtransfer/__init__.py",
     "TRANSPORTS": "kvtransfer/descriptor.py",
     "KV_BACKENDS": "engine/serving/config.py",
@@ -47,6 +49,53 @@ def test_each_shared_name_is_assigned_in_one_module():
                 if (match.group(1), where) not in OTHER_FACTS:
                     found[match.group(1)].append(where)
     assert found == {name: [where] for name, where in DEFINED_IN.items()}
+
+
+def _int_defaults(tree: ast.AST, name_suffix: str) -> list[tuple[int, int]]:
+    """(line, value) of every int literal given as a default, field value, assignment or keyword
+    argument to a name ending in ``name_suffix``."""
+    found = []
+    for node in ast.walk(tree):
+        pairs: list[tuple[str | None, ast.expr | None]] = []
+        if isinstance(node, ast.arguments):
+            positional = node.posonlyargs + node.args
+            pairs += [(a.arg, d) for a, d in zip(positional[len(positional) - len(node.defaults):], node.defaults)]
+            pairs += [(a.arg, d) for a, d in zip(node.kwonlyargs, node.kw_defaults)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            pairs.append((node.target.id, node.value))
+        elif isinstance(node, ast.Assign):
+            pairs += [(t.id, node.value) for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.keyword):
+            pairs.append((node.arg, node.value))
+        found += [(value.lineno, value.value) for name, value in pairs
+                  if name and name.endswith(name_suffix) and isinstance(value, ast.Constant)
+                  and type(value.value) is int]
+    return found
+
+
+def test_the_default_max_tokens_is_one_constant():
+    """A request that names no max_tokens gets engine.config.DEFAULT_MAX_TOKENS, in the engine's
+    SamplingParams and the router's completions alike: no second literal of it anywhere."""
+    literals = [f"{path.relative_to(ROOT)}:{line}" for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+                if not path.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+                for line, value in _int_defaults(ast.parse(path.read_text(encoding="utf-8")), "max_tokens")
+                if value == DEFAULT_MAX_TOKENS]
+    assert literals == [], "use engine.config.DEFAULT_MAX_TOKENS:\n" + "\n".join(literals)
+    tree = ast.parse("def f(a, max_tokens=16, *, default_max_tokens=16): pass\nmax_tokens: int = 16\ng(max_tokens=16)")
+    assert sorted(_int_defaults(tree, "max_tokens")) == [(1, 16), (1, 16), (2, 16), (3, 16)]
+
+
+# kvtransfer may not import engine (tests/test_architecture.py): its benchmark keeps its own.
+CDIV_COPIES_ALLOWED = {"engine/math_utils.py", "kvtransfer/bench.py"}
+
+
+def test_ceiling_division_is_cdiv():
+    """``-(-n // d)`` is written once, as engine.math_utils.cdiv; the product calls that."""
+    copies = [f"{path.relative_to(ROOT)}:{n}" for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+              if path.relative_to(ROOT).as_posix() not in CDIV_COPIES_ALLOWED
+              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+              if re.search(r"-\(-.*//", line)]
+    assert copies == [], "use engine.math_utils.cdiv:\n" + "\n".join(copies)
 
 
 def test_copies_across_the_import_ban_agree():

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from engine.math_utils import cdiv
+
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -23,7 +25,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` cached tokens of one sequence as ``[num_kv_heads, n, head_dim]``."""
     block_size = cache.shape[1]
-    num_blocks = -(-num_tokens // block_size)
+    num_blocks = cdiv(num_tokens, block_size)
     blocks = cache.index_select(0, block_table[:num_blocks].long())
     return blocks.flatten(0, 1)[:num_tokens].transpose(0, 1)
 
@@ -64,7 +66,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     """
     num_seqs = query.shape[0]
     block_size = k_cache.shape[1]
-    num_blocks = -(-max_seq_len // block_size)
+    num_blocks = cdiv(max_seq_len, block_size)
     table = block_tables[:, :num_blocks].long()
     # [B, nb, bs, Hkv, D] -> [B, Hkv, nb*bs, D]
     k = k_cache[table].flatten(1, 2).transpose(1, 2).to(query.dtype)
