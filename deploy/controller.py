@@ -93,6 +93,7 @@ class ServeSpec:
     cpus_per_rank: float = 0.1
     router_cpus: float = 0.1
     started_ray: bool = False                # `tandem down` stops the Ray cluster too
+    fixed_cluster: bool = False              # serve made this one-node cluster: no node will join it
     start_timeout_s: float = 900.0
     cluster_secret: str = field(default="", repr=False)   # never printed; see protos/auth.py
     internal_host: str = ""                  # workers bind this (one node: 127.0.0.1); "" = the node's IP
@@ -334,10 +335,10 @@ class Controller:
 
     def _check_fits(self, desired: dict[str, int]) -> None:
         """Refuse replicas that can never be placed on the one-node cluster ``tandem serve``
-        started itself; on a cluster of its own the operator (or an autoscaler) may add nodes,
+        made itself; on a cluster that was there the operator (or an autoscaler) may add nodes,
         so there it is a warning and the replicas wait (``tandem status`` says for what)."""
         why = placement_shortfall(self.spec, desired, ray.cluster_resources())
-        if why and self.spec.started_ray:
+        if why and self.spec.fixed_cluster:
             raise ValueError(why)
         if why:
             logger.warning("%s; the replicas that do not fit wait for resources", why)

@@ -301,9 +301,10 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
 # -- Ray -------------------------------------------------------------------------------------
 
 
-def connect(address: str | None, *, may_start: bool = False, detach: bool = False) -> bool:
-    """Connect this process to Ray; returns True when it started a local cluster with
-    ``ray start`` (``tandem down`` then stops it). Call it before anything imports ray."""
+def connect(address: str | None, *, may_start: bool = False, detach: bool = False) -> str:
+    """Connect this process to Ray; returns which cluster: ``"started"`` (a local cluster this
+    started with ``ray start``, which ``tandem down`` then stops), ``"local"`` (one living in this
+    process) or ``"joined"`` (one that was there). Call it before anything imports ray."""
     if address != "local" and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").exists():
         # Ray turns token authentication on by itself for `auto`, not for an explicit address,
         # and reads the mode once, at import: do what `auto` does (clusters without auth ignore it).
@@ -318,14 +319,14 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
     if address != "local":
         try:
             ray.init(address=address or "auto", **quiet)
-            return False
+            return "joined"
         except ConnectionError as exc:
             if address is not None or not may_start:
                 raise ServeError(f"no Ray cluster at {address or 'auto'} ({exc}): nothing is serving here; "
                                  "start with `tandem serve`") from None
     if not detach:
         ray.init(address="local", include_dashboard=False, **quiet)   # lives as long as this process
-        return False
+        return "local"
     # Token authentication (Ray >= 2.52): without the token in ~/.ray/auth_token, which `ray start`
     # makes on first use and which never appears on a command line, nothing can join or use the
     # cluster; the deployment's secrets travel in actor arguments, so reaching Ray is owning it.
@@ -343,7 +344,7 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
     from ray._raylet import Config
     Config.initialize("")        # this process imported ray before the mode was set: re-read it
     ray.init(address="auto", **quiet)
-    return True
+    return "started"
 
 
 def _controller():
@@ -407,7 +408,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     knobs = worker_flags(args)             # builds, and so checks, every engine config before Ray starts
     args.planner_config = planner_config(args)
 
-    owns_cluster = connect(args.address, may_start=True, detach=args.detach)
+    cluster = connect(args.address, may_start=True, detach=args.detach)
     import ray
 
     # Ctrl-C and SIGTERM (`kill`, a supervisor) both stop what serve started, in order; also when
@@ -416,13 +417,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return _serve(args, tp, arch, model_path, knobs, owns_cluster)
+        return _serve(args, tp, arch, model_path, knobs, cluster)
     finally:
         ray.shutdown()
 
 
 def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: Path, knobs: list[str],
-           owns_cluster: bool) -> int:
+           cluster: str) -> int:
     import ray
 
     from deploy.controller import CONTROLLER_NAME, NAMESPACE, Controller, ServeSpec, remote_error
@@ -456,7 +457,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                      worker_flags=knobs, router_flags=router_flags,
                      api_key=args.api_key, router_node_id=ray.get_runtime_context().get_node_id(),
                      node_sets={role: nodes for role, nodes in node_sets.items() if nodes},
-                     use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=owns_cluster,
+                     use_gpu=use_gpu, cpus_per_rank=args.cpus_per_worker, started_ray=cluster == "started",
+                     fixed_cluster=cluster != "joined",
                      start_timeout_s=args.start_timeout_s, cluster_secret=load_secret() or new_secret(),
                      internal_host=internal_host(len(alive_nodes)), prefill_nice=args.prefill_nice,
                      threads={"prefill": args.prefill_threads, "decode": args.decode_threads},
@@ -474,7 +476,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
         status = _wait_settled(controller, args.start_timeout_s)
     except BaseException as exc:
         _stop(controller)
-        if owns_cluster:
+        if cluster == "started":
             _ray_stop()
         if isinstance(exc, (ServeError, KeyboardInterrupt)):
             raise

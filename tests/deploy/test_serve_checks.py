@@ -208,7 +208,7 @@ def test_address_local_always_starts_its_own_ray(monkeypatch):
 
     calls = []
     monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
-    assert serve.connect("local", may_start=True) is False
+    assert serve.connect("local", may_start=True) == "local"
     assert calls and calls[0].get("address") == "local"
 
 
