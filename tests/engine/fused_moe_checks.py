@@ -12,9 +12,6 @@ same routing, so the errors measure the expert arithmetic alone.
 """
 from __future__ import annotations
 
-import json
-import sys
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +22,7 @@ import torch.nn.functional as F
 from engine.models import fused_moe, moe
 from engine.models.arch import arch_from_hf_config
 from engine.models.layers import TensorParallel
+from tests.triton_interpreter import report
 
 # Relative error (Frobenius) against float64. Float32: both paths measured 1.1e-7 to 2.3e-7 on
 # the interpreter's shapes; on an H100 at model sizes Triton 1.2e-6 to 2.8e-6 (one float32
@@ -199,16 +197,5 @@ INTERPRETER_CASES: dict[str, Callable[[], object]] = {
 }
 
 
-def run_interpreter_cases() -> dict[str, str | None]:
-    results = {}
-    for name, case in INTERPRETER_CASES.items():
-        try:
-            case()
-            results[name] = None
-        except Exception:  # every failure is reported by name, the rest still run
-            results[name] = traceback.format_exc()
-    return results
-
-
 if __name__ == "__main__":
-    json.dump(run_interpreter_cases(), sys.stdout)
+    report(INTERPRETER_CASES)

@@ -8,8 +8,6 @@ the whole sparse block is compared with transformers' own.
 """
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 import time
@@ -22,17 +20,14 @@ import triton
 from engine.models import fused_moe, moe
 from engine.models.layers import TensorParallel
 from tests.engine import fused_moe_checks
+from tests.triton_interpreter import interpret
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.fused_moe_checks"], cwd=REPO_ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return interpret("tests.engine.fused_moe_checks")
 
 
 @pytest.mark.parametrize("case", list(fused_moe_checks.INTERPRETER_CASES))

@@ -11,15 +11,13 @@ clean caches; the Triton kernels run over caches whose unused slots hold NaN.
 """
 from __future__ import annotations
 
-import json
-import sys
-import traceback
 from collections.abc import Callable
 
 import torch
 
 from engine.attention import torch_backend, triton_backend
 from tests.engine.attention.paged import make_paged_kv, rel_err
+from tests.triton_interpreter import report
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
@@ -161,16 +159,5 @@ INTERPRETER_CASES: dict[str, Callable[[], object]] = {
 }
 
 
-def run_interpreter_cases() -> dict[str, str | None]:
-    results = {}
-    for name, case in INTERPRETER_CASES.items():
-        try:
-            case()
-            results[name] = None
-        except Exception:  # every failure is reported by name, the rest still run
-            results[name] = traceback.format_exc()
-    return results
-
-
 if __name__ == "__main__":
-    json.dump(run_interpreter_cases(), sys.stdout)
+    report(INTERPRETER_CASES)

@@ -7,8 +7,6 @@ compiler rejects.
 """
 from __future__ import annotations
 
-import json
-import os
 import random
 import subprocess
 import sys
@@ -21,17 +19,14 @@ import triton
 
 from engine.attention import triton_backend
 from tests.engine.attention import kernel_checks
+from tests.triton_interpreter import interpret
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.engine.attention.kernel_checks"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return interpret("tests.engine.attention.kernel_checks")
 
 
 @pytest.mark.parametrize("case", list(kernel_checks.INTERPRETER_CASES))
