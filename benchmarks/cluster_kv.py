@@ -20,7 +20,7 @@ machine's cores serve both nodes). The link is uncapped (a veth pair: as fast as
 the bytes) or capped in Mbit/s by tc tbf on both nodes' links (``NetnsCluster.cap``).
 
 For each link rate, prompt length and repeat, this process (root namespace, on the nodes'
-bridge) streams two requests through the router's gRPC API (router/client.py), one at a time:
+bridge) streams two requests through the router's gRPC API (tandem_client/), one at a time:
 
 1. a fresh prompt (random token ids: no prefix-cache hit). TTFT = send -> first streamed token,
    as the client sees it;
@@ -90,8 +90,8 @@ from engine.model_source import load_arch, resolve_model  # noqa: E402
 from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX  # noqa: E402
 from protos.auth import SECRET_ENV, SecretStub, new_secret  # noqa: E402
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
-from router.client import TandemClient  # noqa: E402
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX  # noqa: E402
+from tandem_client import TandemClient  # noqa: E402
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements  # noqa: E402
 
 KV_BACKENDS = ("tcp", "nixl")

@@ -6,7 +6,7 @@
 Three processes, like a deployment on one host: fake workers (tests/router/fake_workers.py: real gRPC
 servers making one token per --pace-ms for every open request, no model), the router
 (`python -m router`), and this load generator. The load generator is the async SDK
-(router/client.py), which sends every request on its one Multiplex stream; --per-call makes it
+(tandem_client/), which sends every request on its one Multiplex stream; --per-call makes it
 use one Generate call per request instead, as a client of the plain RPCs does (grpcurl, another
 language's stubs). Added latency = a request's end-to-end time
 through the router (SDK -> router -> workers) minus the same request sent straight to the fake
@@ -45,8 +45,8 @@ import grpc  # noqa: E402
 
 from protos.auth import SECRET_ENV, new_secret  # noqa: E402
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc, worker_pb2, worker_pb2_grpc  # noqa: E402
-from router.client import AsyncTandemClient  # noqa: E402
 from router.session import DecodeSession, PrefillSession  # noqa: E402
+from tandem_client import AsyncTandemClient  # noqa: E402
 
 
 async def serve_fakes(pace_s: float) -> None:

@@ -1,4 +1,4 @@
-"""Which I/O path grpc uses in Tandem's processes; imported by each process's package before grpc.
+"""Which I/O path grpc uses in Tandem's processes; each process chooses it before grpc is imported.
 
 grpcio (1.85) moves a message between a socket and the Python event loop through its
 EventEngine by default: a poller thread, then a thread of the engine's pool, then the aio
@@ -9,6 +9,11 @@ On 2 vCPUs a streamed message's round trip took ~45% less time and ~30% less CPU
 with). Both paths are grpc's own, chosen with its documented
 ``GRPC_EXPERIMENTS`` variable, which grpc reads once, when it is first imported: an operator
 who sets it keeps their choice (``GRPC_EXPERIMENTS=""`` is grpc's default path).
+
+Called where a Tandem process starts: the router's entry point (router/__main__.py), the worker
+packages (prefill_worker/, decode_worker/: their processes and TP ranks), the ``tandem`` CLI
+(deploy/), the test session (tests/conftest.py). Never by the client SDK (tandem_client/), which
+runs in the user's process: the I/O path there is the user's (tests/test_sdk_import.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ MAX_REQUEST_ID_CHARS = 256          # a request id a worker accepts (kvtransfer'
 # Of a client's own request id: the router's internal id appends ".<16 hex>" (64 random bits per
 # request, router/dispatch.py) and retries ".retry<N>", which must stay within MAX_REQUEST_ID_CHARS.
 MAX_CLIENT_REQUEST_ID_CHARS = 200
-# Starts the SDK (router/client.py) puts in one Multiplex message; a router takes at least this
+# Starts the SDK (tandem_client/) puts in one Multiplex message; a router takes at least this
 # many in one message (max(max_waiting, this), router/grpc_api.py).
 MULTIPLEX_STARTS_PER_MESSAGE = 64
 # Initial metadata a router sends first on every Multiplex stream; the SDK writes nothing before it

@@ -15,8 +15,12 @@ import os
 import signal
 import sys
 
-from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, RouterConfig, add_public_api_args
-from router.server import Router
+from protos.grpc_io import use_polling_io
+
+use_polling_io()   # before anything imports grpc (protos/grpc_io.py): the router's process, not its package
+
+from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, RouterConfig, add_public_api_args  # noqa: E402
+from router.server import Router  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:

@@ -43,11 +43,12 @@ import grpc
 
 from engine.config import DEFAULT_MAX_TOKENS  # the engine's default when sampling.max_tokens is unset
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
+from protos.streams import PeerFailure
 from protos.tandem.v1 import worker_pb2
 from router import errors
 from router.policies import Policy
 from router.registry import WorkerRegistry, WorkerState
-from router.session import DecodeSession, PrefillSession, SessionCall, WorkerFailure
+from router.session import DecodeSession, PrefillSession, SessionCall
 
 logger = logging.getLogger(__name__)
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED, grpc.StatusCode.CANCELLED,
@@ -202,7 +203,7 @@ class Dispatcher:
                     if exc.code() not in RETRYABLE:
                         raise errors.from_worker(exc.code(), exc.details() or "") from None
                     brk = Break("decode", f"decode stream: {exc.code().name}: {exc.details()}",
-                                transient=isinstance(exc, WorkerFailure) and exc.transient)
+                                transient=isinstance(exc, PeerFailure) and exc.transient)
                 except asyncio.CancelledError:
                     if attempt.broken is None or asyncio.current_task().cancelling():
                         raise

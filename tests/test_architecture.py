@@ -8,18 +8,23 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy")
+PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy", "tandem_client")
 # torch-free (the last test below)
 ROUTER_MAY_USE = ("engine.tokenizer", "engine.config", "engine.serving.fingerprint")
 # package -> top-level modules it must never import
 BANNED = {
-    "engine": {"router", "prefill_worker", "decode_worker", "deploy", "kvtransfer"},
-    "kvtransfer": {"engine", "router", "prefill_worker", "decode_worker", "deploy"},
-    "prefill_worker": {"decode_worker", "router", "deploy"},
-    "decode_worker": {"prefill_worker", "router", "deploy"},
-    "router": {"prefill_worker", "decode_worker", "torch", "triton", "deploy"},
-    "protos": {"engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "deploy", "torch"},
+    "engine": {"router", "prefill_worker", "decode_worker", "deploy", "kvtransfer", "tandem_client"},
+    "kvtransfer": {"engine", "router", "prefill_worker", "decode_worker", "deploy", "tandem_client"},
+    "prefill_worker": {"decode_worker", "router", "deploy", "tandem_client"},
+    "decode_worker": {"prefill_worker", "router", "deploy", "tandem_client"},
+    "router": {"prefill_worker", "decode_worker", "torch", "triton", "deploy", "tandem_client"},
+    "protos": {"engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "deploy", "torch", "tandem_client"},
 }
+# The client SDK runs in the user's process: of what is not the standard library it imports
+# grpc and protos only (and itself), so installing Tandem's server side is never its price.
+SDK_MAY_USE = {"tandem_client", "protos", "grpc", "google"}
+# Where code that imports Tandem lives outside the product packages (the SDK moved out of the router).
+CLIENT_CODE = ("tests", "benchmarks", "scripts")
 PICKLE = re.compile(r"\b(pickle|cPickle|cloudpickle|dill)\b|recv_pyobj|send_pyobj")
 
 
@@ -47,10 +52,42 @@ def test_imports_point_one_way():
     assert not wrong, "imports against docs/architecture.md#packages-and-import-direction:\n" + "\n".join(wrong)
 
 
+def _sdk_import_problems(path: Path) -> list[str]:
+    """What ``path`` (a module of the SDK) imports beyond the standard library, grpc and protos."""
+    return [f"{lineno} imports {module}" for lineno, module in _imports(path)
+            if module.split(".")[0] not in SDK_MAY_USE | set(sys.stdlib_module_names)]
+
+
+def test_sdk_imports_grpc_and_protos_only():
+    wrong = [f"{path.relative_to(ROOT)}:{problem}" for path in (ROOT / "tandem_client").rglob("*.py")
+             for problem in _sdk_import_problems(path)]
+    assert not wrong, "the SDK imports more than grpcio and protos:\n" + "\n".join(wrong)
+
+
+def _imports_of(path: Path, module: str) -> list[int]:
+    """Lines of ``path`` that import ``module`` (``import a.b``, ``from a.b import x``, ``from a import b``)."""
+    parent, _, name = module.rpartition(".")
+    direct = [lineno for lineno, imported in _imports(path) if imported == module or imported.startswith(module + ".")]
+    return direct + [node.lineno for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+                     if isinstance(node, ast.ImportFrom) and node.module == parent
+                     and any(a.name == name for a in node.names)]
+
+
+def test_nothing_imports_the_sdk_from_the_router():
+    assert not (ROOT / "router" / "client.py").exists()
+    wrong = [f"{path.relative_to(ROOT)}:{lineno} imports router.client (the SDK is tandem_client)"
+             for folder in PACKAGES + CLIENT_CODE for path in (ROOT / folder).rglob("*.py")
+             for lineno in _imports_of(path, "router.client")]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_import_checker_catches_a_wrong_arrow(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import router.client\nfrom decode_worker import x\n")
-    assert [m for _, m in _imports(bad)] == ["router.client", "decode_worker"]
+    bad.write_text("import router.client\nfrom decode_worker import x\nimport os, grpc\nfrom protos import limits\n")
+    assert [m for _, m in _imports(bad)] == ["router.client", "decode_worker", "os", "grpc", "protos"]
+    assert _sdk_import_problems(bad) == ["1 imports router.client", "2 imports decode_worker"]
+    bad.write_text("from router import client\nfrom router.client import TandemClient\nimport router.clientele\n")
+    assert sorted(_imports_of(bad, "router.client")) == [1, 2]
 
 
 def test_no_pickle_in_the_product():

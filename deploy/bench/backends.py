@@ -9,7 +9,7 @@ sends one, else from the chunks. Errors never raise: they land in ``record.error
 
 - ``openai-chat``: POST {base}/v1/chat/completions, SSE, ``delta.content``.
 - ``openai``: POST {base}/v1/completions, SSE, ``text``.
-- ``grpc``: Tandem's ``router.client.AsyncTandemClient`` (imported on first use, so the other
+- ``grpc``: Tandem's ``tandem_client.AsyncTandemClient`` (imported on first use, so the other
   backends work without the generated stubs).
 """
 from __future__ import annotations
@@ -131,10 +131,10 @@ class OpenAIBackend:
 
 
 class GrpcBackend:
-    """Tandem's gRPC API through ``router.client.AsyncTandemClient``."""
+    """Tandem's gRPC API through ``tandem_client.AsyncTandemClient``."""
 
     def __init__(self, endpoint: EndpointConfig) -> None:
-        from router.client import AsyncTandemClient, TandemError
+        from tandem_client import AsyncTandemClient, TandemError
 
         self._endpoint = endpoint
         self._client = AsyncTandemClient(endpoint.grpc_target, api_key=endpoint.api_key or None,
@@ -173,5 +173,5 @@ def make_backend(endpoint: EndpointConfig, max_connections: int):
         try:
             return GrpcBackend(endpoint)
         except ImportError as exc:
-            raise ValueError(f"--backend grpc needs Tandem's gRPC client (router.client): {exc}") from exc
+            raise ValueError(f"--backend grpc needs Tandem's gRPC client (tandem_client): {exc}") from exc
     return OpenAIBackend(endpoint, max_connections)

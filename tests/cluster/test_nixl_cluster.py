@@ -168,7 +168,7 @@ class Cluster:
 
     def wait_healthy(self, timeout_s: float = 60.0) -> None:
         """Until the router has as many healthy workers of each role as run here (it lists no addresses)."""
-        from router.client import TandemClient
+        from tandem_client import TandemClient
 
         running = Counter(role for role, w in self.workers if w.proc.poll() is None)
         deadline = time.monotonic() + timeout_s

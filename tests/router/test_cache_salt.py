@@ -19,9 +19,9 @@ import pytest
 
 from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from router.client import TandemClient
 from router.config import RouterConfig
 from router.server import Router
+from tandem_client import TandemClient
 
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import random_prompt, smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401

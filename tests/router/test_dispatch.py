@@ -13,9 +13,9 @@ import pytest
 from protos.auth import SecretStub, require_secret
 from protos.auth import metadata as secret_metadata
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc, worker_pb2
-from router.client import AsyncTandemClient, InvalidArgument, TandemError
 from router.config import RouterConfig
 from router.server import Router
+from tandem_client import AsyncTandemClient, InvalidArgument, TandemError
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
 from tests.router.fake_workers import FakeDecode, FakePrefill, FakeWorker, fake_completion
 

@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from router.client import TandemClient
 from router.policies.round_robin import RoundRobin
+from tandem_client import TandemClient
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).

@@ -1,4 +1,4 @@
-"""Tools on the gRPC Chat API (router/grpc_tools.py) through the SDK (router/client.py), against
+"""Tools on the gRPC Chat API (router/grpc_tools.py) through the SDK (tandem_client/), against
 a router with no tool flags over a scripted decode worker: a two-turn conversation with
 tool_choice at its default on Chat and on the async SDK's Multiplex stream, streamed chunks
 carrying the calls, a forced named call, the wire types' round trip, and the 400s."""
@@ -10,7 +10,7 @@ import json
 import pytest
 
 from protos.tandem.v1 import tandem_pb2
-from router.client import AsyncTandemClient, InvalidArgument, TandemClient
+from tandem_client import AsyncTandemClient, InvalidArgument, TandemClient
 from tests.router.conftest import MODEL
 from tests.router.test_tool_calling import ANSWER_REPLY, CALL_REPLY, TIME_TOOL, WEATHER_TOOL, script, scripted_router
 

@@ -141,7 +141,7 @@ def test_api_key_guards_http_and_grpc(loop_thread, tokenizer):
         assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens == 2
         with pytest.raises(openai.AuthenticationError, match="invalid API key"):
             openai.OpenAI(base_url=cluster.http + "/v1", api_key="bad", max_retries=0).models.list()
-        from router.client import TandemClient, Unauthenticated
+        from tandem_client import TandemClient, Unauthenticated
         with TandemClient(cluster.router.grpc_address, api_key="bad") as sdk, \
                 pytest.raises(Unauthenticated, match="invalid API key"):
             sdk.generate("x", max_tokens=2)

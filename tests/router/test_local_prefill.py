@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.client import AsyncTandemClient, Unavailable
+from tandem_client import AsyncTandemClient, Unavailable
 from tests.router.fake_workers import fake_completion
 from tests.router.test_dispatch import run, until
 

@@ -1,4 +1,4 @@
-"""Tandem.Multiplex (router/grpc_api.py) and the async SDK on it (router/client.py): many requests on
+"""Tandem.Multiplex (router/grpc_api.py) and the async SDK on it (tandem_client/): many requests on
 one stream give each its own tokens; a bad request fails its key alone with the status Generate
 would give; a cancelled key, a client gone, a deadline passed or a key reused abort what was open at
 both workers; the stream ends cleanly when the client is done."""
@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from router.client import AsyncTandemClient, InvalidArgument, TandemError, Unauthenticated
+from tandem_client import AsyncTandemClient, InvalidArgument, TandemError, Unauthenticated
 from tests.router.fake_workers import fake_completion
 from tests.router.test_dispatch import run, until
 from tests.router.test_hostile_requests import GRPC_CASES, LIMITS

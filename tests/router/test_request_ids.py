@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from router.client import AsyncTandemClient, TandemError
+from tandem_client import AsyncTandemClient, TandemError
 from tests.router.fake_workers import fake_completion
 from tests.router.test_dispatch import run, until
 

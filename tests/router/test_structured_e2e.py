@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from protos.tandem.v1 import tandem_pb2
-from router.client import InvalidArgument, TandemClient
+from tandem_client import InvalidArgument, TandemClient
 from tests.engine.conftest import smollm2_gguf  # noqa: F401 - session fixture
 from tests.router.conftest import real_cluster
 

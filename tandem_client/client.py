@@ -1,6 +1,6 @@
-"""Client SDK for the Tandem gRPC API (runs in the user's process; needs grpcio + protos only).
+"""The SDK's clients: blocking ``TandemClient`` and asyncio ``AsyncTandemClient`` (the user's process).
 
-    from router.client import TandemClient
+    from tandem_client import TandemClient
     with TandemClient("127.0.0.1:50051", api_key=None) as client:
         out = client.generate("The capital of France is", max_tokens=16, temperature=0.0)
         print(out.text, out.finish_reason, out.usage)
@@ -36,8 +36,8 @@ from typing import Any
 import grpc
 
 from protos.limits import MAX_MESSAGE_BYTES, MULTIPLEX_READY, MULTIPLEX_STARTS_PER_MESSAGE
+from protos.streams import PendingMessages, SessionStream, refusal
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from router.session import PendingMessages, SessionStream, refusal
 
 _SAMPLING_FIELDS = {f.name for f in tandem_pb2.Sampling.DESCRIPTOR.fields}
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -262,9 +262,8 @@ class _MultiplexCall(PendingMessages):
 class _Multiplex(SessionStream):
     """The client's one ``Tandem.Multiplex`` stream: what is started or cancelled in a turn of
     the loop leaves in one message; a broken stream fails every request open on it and the next
-    request opens a new one (router/session.py does the batching and the breaking)."""
+    request opens a new one (protos/streams.py does the batching and the breaking)."""
 
-    role = "router"
     keyed = True
     closed_reason = "is not used any more: the client was closed"
 
