@@ -1,4 +1,4 @@
-"""gRPC servicer of the decode worker: the Generate stream, Abort and Stats (asyncio thread).
+"""gRPC servicer of the decode worker: the Session stream, SetPrefill, Abort and Stats (asyncio thread).
 
 Also the decode side's client of the prefill workers: it tells a prefill worker where to
 write (SetDestination) and aborts there when a stream is cancelled. SetDestination is the model
@@ -7,10 +7,11 @@ prefill worker refuses a different one (FAILED_PRECONDITION), and a prefill work
 carries a different (or no) fingerprint is refused here; either way the request fails with both
 fingerprints in its error.
 
-Stream events cross from the engine thread once per step: the engine loop hands its whole batch
-to ``_deliver`` (one ``call_soon_threadsafe``), ``_fan_out`` puts each event on its stream, and
-each Generate handler sends every event that is waiting in one GenerateResponse -- one step's
-token while the client keeps up, several steps' tokens when it lags behind.
+Requests arrive only on Session streams (the router's one per worker; worker.proto). Stream events
+cross from the engine thread once per step: the engine loop hands its whole batch to ``_deliver``
+(one ``call_soon_threadsafe``), ``_fan_out`` puts each event on its session, and each session
+sends every request's waiting events in one DecodeSessionResponse, one GenerateResponse per
+request -- one step's token while the router keeps up, several steps' tokens when it lags behind.
 """
 from __future__ import annotations
 
@@ -91,29 +92,6 @@ class PrefillClients:
             await asyncio.gather(*self._closing, return_exceptions=True)
 
 
-class _Events:
-    """One Generate stream's events, filled by ``_fan_out`` (asyncio thread)."""
-
-    __slots__ = ("pending", "waiter")
-
-    def __init__(self) -> None:
-        self.pending: list[StreamEvent] = []
-        self.waiter: asyncio.Future | None = None
-
-    def put(self, event: StreamEvent) -> None:
-        self.pending.append(event)
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
-
-    async def take(self) -> list[StreamEvent]:
-        """Every event since the last call (waits for the first)."""
-        while not self.pending:
-            self.waiter = asyncio.get_running_loop().create_future()
-            await self.waiter
-        events, self.pending = self.pending, []
-        return events
-
-
 def _fan_out(batch: EventBatch) -> None:
     for sink, event in batch:
         sink(event)
@@ -180,7 +158,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.prefill = prefill
         self.fingerprint = fingerprint
         self.rpc_timeout_s = rpc_timeout_s
-        self.aio_loop: asyncio.AbstractEventLoop | None = None  # set by the first Generate
+        self.aio_loop: asyncio.AbstractEventLoop | None = None  # set by the first Session
 
     def attach(self, loop: DecodeLoop) -> None:
         """Wire the engine thread (built after this servicer, since it calls send_destination)."""
@@ -249,37 +227,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         if job.prefill_address:
             aio_loop.create_task(self._abort_prefill(job.prefill_address, request_id))
 
-    async def Generate(self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        events = _Events()
-        try:
-            job = self._job(request, events.put)
-            if job.params.structured is not None:   # compiled off the engine thread; a bad one is refused here
-                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        aio_loop = self.aio_loop = asyncio.get_running_loop()
-        try:
-            await self.loop.run(lambda: self.loop.add(job))
-        except KeyError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc.args[0]))
-        except ValueError as exc:   # the engine refused a local prefill's prompt
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        finished = False
-        try:
-            while not finished:
-                response, finished, error = _response(await events.take(), job.params)
-                if response is not None:
-                    yield response
-                if error is not None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, error.error)
-        finally:
-            if not finished:  # the client went away: free everything for this request now
-                self._stopped(job, aio_loop)
-
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         """Many requests on one stream (the router's data plane): see worker.proto's DecodeSessionRequest.
         A request that is refused or fails ends with an output carrying its error_code; when the
-        stream breaks, every request still open on it is stopped as if its Generate were cancelled."""
+        stream breaks, every request still open on it is stopped and freed here and at its prefill worker."""
         aio_loop = self.aio_loop = asyncio.get_running_loop()
         session = _Session()
 

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StreamEvent:
-    """What the engine thread hands a Generate stream: tokens, a finish, or an error."""
+    """What the engine thread hands a request's stream: tokens, a finish, or an error."""
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """gRPC servicer of the prefill worker: converts protos, validates, calls the engine thread.
 
-Submits come one per call (``Submit``) or many on the router's ``Session`` stream; both queue the
-job through ``_submit`` on the engine thread.
+Submits come only on the router's ``Session`` stream (worker.proto), many to a message; each is
+queued through ``_submit`` on the engine thread and answered on the stream.
 
 ``SetDestination`` is also the model handshake: the decode worker sends its fingerprint
 (engine/serving/fingerprint.py) and gets this worker's back; a destination of another model or
@@ -20,7 +20,6 @@ from prefill_worker.worker import AbortedBeforeSubmit, Destination, PrefillJob, 
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 MAX_DESCRIPTOR_BYTES = 1 << 16
-_STATUS = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _refused(request_id: str, code: grpc.StatusCode, message: str) -> worker_pb2.SubmitResponse:
@@ -51,18 +50,6 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         except ValueError as exc:
             return _refused(job.request_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return worker_pb2.SubmitResponse(request_id=job.request_id, num_cached_tokens=cached)
-
-    async def Submit(self, request: worker_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
-        try:
-            job = self._job(request)
-            if job.params.structured is not None:   # compiled off the engine thread; a bad one is refused here
-                await asyncio.to_thread(self.loop.engine.grammars.compile, job.params.structured)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        response = await self.loop.run(lambda: self._submit(job))
-        if response.error_code:
-            await context.abort(_STATUS[response.error_code], response.error)
-        return worker_pb2.SubmitResponse(num_cached_tokens=response.num_cached_tokens)
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         """Submits and aborts on one stream (the router's data plane): see worker.proto's

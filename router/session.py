@@ -7,10 +7,10 @@ back in one message. Per request that saves the gRPC calls (HTTP/2 stream set-up
 completion-queue round per message); per token, a message.
 
 - ``DecodeSession.generate`` returns a ``SessionCall``, which the dispatcher uses as it would a
-  ``DecodeWorker.Generate`` call: iterate it for ``GenerateResponse`` messages, ``cancel()`` it
-  (the worker is told to abort the request), ``done()``.
-- ``PrefillSession.submit`` is ``PrefillWorker.Submit``: it returns a future of the
-  ``SubmitResponse``; ``abort`` is ``PrefillWorker.Abort`` without an answer.
+  unary-stream call: iterate it for ``GenerateResponse`` messages, ``cancel()`` it (the worker is
+  told to abort the request), ``done()``.
+- ``PrefillSession.submit`` returns a future of the ``SubmitResponse``; ``abort`` stops the
+  request at the prefill worker, without an answer.
 
 A request the worker refuses or fails ends with ``grpc.aio.AioRpcError`` carrying the worker's
 status code. When a stream breaks (the worker died, the connection dropped, the registry removed
@@ -120,7 +120,7 @@ class PrefillSession(WorkerSession):
     role = "prefill"
 
     def submit(self, request: worker_pb2.SubmitRequest, timeout_s: float) -> asyncio.Future[worker_pb2.SubmitResponse]:
-        """``PrefillWorker.Submit`` on the stream: a future of the answer, or of AioRpcError
+        """Submit ``request`` on the stream: a future of the answer, or of AioRpcError
         (DEADLINE_EXCEEDED after ``timeout_s``). No task per request: the router's dispatcher
         handles the answer in a callback; cancelling the future forgets the request."""
         loop = asyncio.get_running_loop()
@@ -144,7 +144,7 @@ class PrefillSession(WorkerSession):
                 f"no answer to Submit from prefill worker {self.address} in {timeout_s:g} s"))
 
     def abort(self, request_id: str) -> None:
-        """``PrefillWorker.Abort`` on the stream, after anything sent before it (a Submit still
+        """Stop ``request_id`` at the worker, after anything sent before it on the stream (a Submit still
         unanswered gets its answer); nothing comes back."""
         self._abort(request_id)
 

@@ -1,14 +1,14 @@
 """In-process twins of the prefill and decode workers, for router tests and the router benchmark.
 
 Real grpc.aio servers on port 0 speaking worker.proto, so the router talks to them exactly as
-to real workers (on their Session streams; Generate and Submit serve direct callers). The fake
-decode worker makes one token per ``token_interval_s`` for each open stream, a deterministic
-function of the sequence so far (``next_token``), so a request resumed from prompt + generated
-tokens continues with the same tokens, like a greedy model. Tokens are made in steps, like the
-real decode worker's engine steps: one timer makes a token for every open stream, starting when
-a stream opens on an idle worker. A Generate handler sends everything made since its last
-message in one GenerateResponse -- one token while the reader keeps up, several when it lags --
-and a Session sends every one of its requests' new tokens in one DecodeSessionResponse.
+to real workers (on their Session streams). The fake decode worker makes one token per
+``token_interval_s`` for each open request, a deterministic function of the sequence so far
+(``next_token``), so a request resumed from prompt + generated tokens continues with the same
+tokens, like a greedy model. Tokens are made in steps, like the real decode worker's engine
+steps: one timer makes a token for every open request, starting when one opens on an idle worker.
+A request's ``generate_one`` hands over everything made since its last message in one
+GenerateResponse -- one token while the reader keeps up, several when it lags -- and a Session
+sends every one of its requests' new tokens in one DecodeSessionResponse.
 ``kv_blocks_used`` is the number of open streams, so "no blocks left in use" can be asserted.
 No torch, no engine.
 """
@@ -46,9 +46,8 @@ class FakeState:
     active: set[str] = field(default_factory=set)
     seen: list[str] = field(default_factory=list)        # request ids, in arrival order
     aborted: list[str] = field(default_factory=list)
-    local_prefill: list[str] = field(default_factory=list)   # decode: Generate asked it to prefill itself
+    local_prefill: list[str] = field(default_factory=list)   # decode: asked to prefill these itself
     num_sessions: int = 0             # Session streams opened
-    num_generate_calls: int = 0       # decode: Generate calls
 
     def stats(self, role: str) -> worker_pb2.StatsResponse:
         return worker_pb2.StatsResponse(role=role, num_running=len(self.active), kv_blocks_used=len(self.active),
@@ -59,10 +58,6 @@ class FakeState:
 class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, state: FakeState) -> None:
         self.state = state
-
-    async def Submit(self, request, context):
-        self.state.seen.append(request.request_id)
-        return worker_pb2.SubmitResponse()
 
     async def Session(self, request_iterator, context):
         """Submits answered at once, aborts recorded like Abort calls."""
@@ -89,7 +84,7 @@ class FakePrefill(worker_pb2_grpc.PrefillWorkerServicer):
 
 @dataclass(eq=False)
 class _FakeStream:
-    """One Generate stream: the steps append tokens, its handler sends them."""
+    """One request's tokens: the steps append them, its ``generate_one`` hands them over."""
 
     seq: list[int]
     max_tokens: int
@@ -181,10 +176,9 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             response.num_output_tokens = stream.num_made
         return response
 
-    async def Generate(self, request, context):
+    async def generate_one(self, request, context: _SessionContext):
+        """One request's GenerateResponse messages; ``context.abort`` refuses or fails it."""
         rid = request.request_id
-        if not isinstance(context, _SessionContext):
-            self.state.num_generate_calls += 1
         if rid in self.state.active:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id={rid!r} is running")
         if self.refused_token in request.prompt_token_ids:
@@ -203,8 +197,8 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
             self._close(rid)
 
     async def Session(self, request_iterator, context):
-        """The real worker's Session (decode_worker/servicer.py) over this servicer's own Generate
-        (so subclasses that script Generate serve sessions too): every request's messages since
+        """The real worker's Session (decode_worker/servicer.py) over this servicer's own
+        ``generate_one`` (so subclasses that script it serve sessions too): every request's messages since
         the last one leave together -- one step's tokens for all of them in one message; aborts
         on the stream are recorded like Abort calls."""
         self.state.num_sessions += 1
@@ -215,7 +209,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         async def run(request) -> None:
             rid = request.request_id
             try:
-                async for response in self.Generate(request, _SessionContext()):
+                async for response in self.generate_one(request, _SessionContext()):
                     response.request_id = rid
                     outputs.append(response)
                     wake.set()
@@ -275,7 +269,7 @@ class _Refused(Exception):
 
 
 class _SessionContext:
-    """What Generate gets when it serves one request of a Session: ``abort`` ends that request alone."""
+    """What ``generate_one`` gets when it serves one request of a Session: ``abort`` ends that request alone."""
 
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         raise _Refused(code, details)

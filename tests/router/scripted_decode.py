@@ -21,7 +21,7 @@ class ScriptedDecode(FakeDecode):
         self.sampling: list[worker_pb2.SamplingParams] = []
         self.tokens_per_message = tokens_per_message
 
-    async def Generate(self, request, context):
+    async def generate_one(self, request, context):
         self.state.seen.append(request.request_id)
         self.prompts.append(list(request.prompt_token_ids))
         self.sampling.append(request.sampling)

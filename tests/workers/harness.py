@@ -2,10 +2,12 @@
 
 Runs in the pytest process. Workers are real ``python -m prefill_worker`` / ``decode_worker``
 processes; the client side uses the sync ``grpc`` API and threads, like a router would use
-the aio one.
+the aio one. Requests go where the router sends them, on the workers' Session streams: here one
+stream per request (``open_generate``, ``submit``), read as that request's own call would be.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -17,6 +19,7 @@ import grpc
 
 from deploy.launch import WorkerProcess, WorkerStartError
 from protos.auth import SecretClientInterceptor, require_secret
+from protos.streams import refusal
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,21 +100,71 @@ class Result:
         return self.responses[-1]
 
 
+class DecodeCall:
+    """One request on a ``DecodeWorker.Session`` stream of its own, read as the request's own
+    stream: iterate it (or ``next``) for its ``GenerateResponse`` messages; a refusal or failure on
+    the stream (an output's ``error_code``) is raised as the ``grpc.RpcError`` with that status,
+    after the tokens that came with it; ``cancel()`` breaks the stream, and the worker stops what
+    was open on it (as when the router goes away), so reading on raises CANCELLED."""
+
+    def __init__(self, decode: Worker, request: worker_pb2.GenerateRequest, timeout_s: float) -> None:
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox.put(worker_pb2.DecodeSessionRequest(generate=[request]))
+        self._call = decode.decode_stub.Session(iter(self._outbox.get, None), timeout=timeout_s)
+        self._outputs = self._read()
+
+    def __iter__(self) -> DecodeCall:
+        return self
+
+    def __next__(self) -> worker_pb2.GenerateResponse:
+        return next(self._outputs)
+
+    def _read(self):
+        try:
+            for message in self._call:
+                for output in message.outputs:
+                    if output.error_code:
+                        if output.token_ids:
+                            tokens = worker_pb2.GenerateResponse()
+                            tokens.CopyFrom(output)
+                            for name in ("error_code", "error", "error_transient"):
+                                tokens.ClearField(name)
+                            yield tokens
+                        raise refusal(output.error_code, output.error, output.error_transient)
+                    yield output
+                    if output.finish_reason:
+                        return
+        finally:
+            self._outbox.put(None)   # half-close: with nothing open on it, the worker ends the stream
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 def open_generate(decode: Worker, prefill_address: str, request_id: str, prompt: list[int],
-                  sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S):
+                  sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S,
+                  local_prefill: bool = False) -> DecodeCall:
+    """Start a request on D (KV from the prefill worker at ``prefill_address``, or ``local_prefill``)."""
     request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                         prefill_address=prefill_address)
-    return decode.decode_stub.Generate(request, timeout=timeout_s)
+                                         prefill_address=prefill_address, local_prefill=local_prefill)
+    return DecodeCall(decode, request, timeout_s)
 
 
 def submit(prefill: Worker, decode_address: str, request_id: str, prompt: list[int],
            sampling: worker_pb2.SamplingParams) -> worker_pb2.SubmitResponse:
+    """Submit a prompt to P on a ``PrefillWorker.Session`` stream of its own: its answer, or the
+    refusal raised as the ``grpc.RpcError`` with its status. The request outlives the stream."""
     request = worker_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                        decode_address=decode_address)
-    return prefill.prefill_stub.Submit(request, timeout=RPC_TIMEOUT_S)
+    messages = prefill.prefill_stub.Session(iter([worker_pb2.PrefillSessionRequest(submit=[request])]),
+                                            timeout=RPC_TIMEOUT_S)
+    [answer] = [answer for message in messages for answer in message.results]
+    if answer.error_code:
+        raise refusal(answer.error_code, answer.error)
+    return answer
 
 
-def collect(call) -> Result:
+def collect(call: DecodeCall) -> Result:
     result = Result()
     try:
         for response in call:
@@ -125,8 +178,8 @@ def collect(call) -> Result:
 
 def generate(prefill: Worker, decode: Worker, request_id: str, prompt: list[int],
              sampling: worker_pb2.SamplingParams, timeout_s: float = RPC_TIMEOUT_S) -> Result:
-    """One request through the pair on the unary RPCs: open Generate on D, Submit to P, read the
-    stream to its end. (The router sends the same messages on its Session streams instead.)
+    """One request through the pair, as the router sends it: started on D, submitted to P, D's
+    stream read to its end.
 
     A Submit refused ABORTED came after the pair's handshake had already failed the request (the
     decode stream ends with that reason, so it is read); any other refusal cancels the stream."""

@@ -1,6 +1,6 @@
 """Stream events leave the decode engine thread once per step: DecodeLoop hands each step's events
 for every running request to ``deliver`` in one call, the servicer crosses to asyncio once per
-batch, and a Generate stream that lags sends the waiting steps' tokens in one GenerateResponse.
+batch, and a session that lags sends each request's waiting steps' tokens in one GenerateResponse.
 The servicer runs in-process on port 0 over a stand-in engine thread; the loop is the PD twin."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from decode_worker.servicer import DecodeServicer, PrefillClients
 from decode_worker.worker import DecodeJob, StreamEvent
 from engine.config import SamplingParams
 from prefill_worker.worker import PrefillJob
+from protos.streams import refusal
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
 from tests.engine.test_pd_twin import pair  # noqa: F401 - the fixture, by name
 
@@ -28,6 +29,7 @@ class _EngineStandIn:
         self.engine = SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB), max_model_len=64)
         self.jobs: dict = {}
         self.deliver = None          # set by DecodeServicer.attach
+        self.alive = True
 
     async def run(self, fn):
         return fn()
@@ -57,13 +59,14 @@ def test_one_thread_hop_per_batch_and_a_lagging_stream_gets_its_steps_in_one_mes
         loop.call_soon_threadsafe = lambda *args: (hops.append(args[0]), original(*args))[1]
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+                session = worker_pb2_grpc.DecodeWorkerStub(channel).Session()
 
-                def open_stream(rid: str, **sampling):
-                    return stub.Generate(worker_pb2.GenerateRequest(
-                        request_id=rid, prompt_token_ids=[1, 2, 3], prefill_address="p:1",
-                        sampling=worker_pb2.SamplingParams(max_tokens=3, **sampling)))
-                calls = {rid: open_stream(rid, **({"logprobs": 1} if rid == "a" else {})) for rid in "abc"}
+                def request(rid: str, **sampling) -> worker_pb2.GenerateRequest:
+                    return worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3], prefill_address="p:1",
+                                                      sampling=worker_pb2.SamplingParams(max_tokens=3, **sampling))
+                await session.write(worker_pb2.DecodeSessionRequest(
+                    generate=[request(rid, **({"logprobs": 1} if rid == "a" else {})) for rid in "abc"]))
+                await session.done_writing()   # the worker ends the stream once all three ended
                 while len(engine.jobs) < 3:
                     await asyncio.sleep(0.01)
                 a, b, c = (engine.jobs[rid].sink for rid in "abc")
@@ -81,12 +84,12 @@ def test_one_thread_hop_per_batch_and_a_lagging_stream_gets_its_steps_in_one_mes
                 loop.call_soon(engine_thread)
                 responses = {rid: [] for rid in "abc"}
                 error = None
-                for rid, call in calls.items():
-                    try:
-                        async for response in call:
-                            responses[rid].append(response)
-                    except grpc.aio.AioRpcError as exc:
-                        error = (rid, exc.code(), exc.details())
+                async for message in session:
+                    for output in message.outputs:
+                        responses[output.request_id].append(output)
+                        if output.error_code:
+                            failure = refusal(output.error_code, output.error)
+                            error = (output.request_id, failure.code(), failure.details())
                 return responses, error, hops
         finally:
             loop.call_soon_threadsafe = original

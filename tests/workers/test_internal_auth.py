@@ -22,9 +22,10 @@ def _calls(role: str, channel: grpc.Channel) -> dict:
     if role == "prefill":
         stub = worker_pb2_grpc.PrefillWorkerStub(channel)
         return {
-            "Submit": lambda md: stub.Submit(worker_pb2.SubmitRequest(
-                request_id="intruder", prompt_token_ids=PROMPT, sampling=greedy(2), decode_address="127.0.0.1:1"),
-                metadata=md, timeout=10),
+            "Session": lambda md: list(stub.Session(iter([worker_pb2.PrefillSessionRequest(submit=[
+                worker_pb2.SubmitRequest(request_id="intruder", prompt_token_ids=PROMPT, sampling=greedy(2),
+                                         decode_address="127.0.0.1:1")], abort=["victim"])]),
+                metadata=md, timeout=10)),
             "SetDestination": lambda md: stub.SetDestination(worker_pb2.SetDestinationRequest(
                 request_id="victim", block_ids=[0], region_descriptor=b"x"), metadata=md, timeout=10),
             "Abort": lambda md: stub.Abort(worker_pb2.AbortRequest(request_id="victim"), metadata=md, timeout=10),
@@ -32,8 +33,9 @@ def _calls(role: str, channel: grpc.Channel) -> dict:
         }
     stub = worker_pb2_grpc.DecodeWorkerStub(channel)
     return {
-        "Generate": lambda md: list(stub.Generate(worker_pb2.GenerateRequest(
-            request_id="intruder", prompt_token_ids=PROMPT, sampling=greedy(2), prefill_address="127.0.0.1:1"),
+        "Session": lambda md: list(stub.Session(iter([worker_pb2.DecodeSessionRequest(generate=[
+            worker_pb2.GenerateRequest(request_id="intruder", prompt_token_ids=PROMPT, sampling=greedy(2),
+                                       prefill_address="127.0.0.1:1")], abort=["victim"])]),
             metadata=md, timeout=10)),
         "SetPrefill": lambda md: stub.SetPrefill(worker_pb2.SetPrefillRequest(
             request_id="victim", prefill_address="127.0.0.1:1"), metadata=md, timeout=10),

@@ -13,7 +13,7 @@ import pytest
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
 from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import collect, generate, greedy, run_concurrently, wait_idle, wait_until
+from tests.workers.harness import collect, generate, greedy, open_generate, run_concurrently, wait_idle, wait_until
 
 LENGTHS = [3, 90, 17, 33, 64, 5, 48, 16]
 MAX_TOKENS = [5, 24, 12, 8, 20, 24, 6, 15]
@@ -29,9 +29,7 @@ def pair(spawn_module, tiny_dir):
 
 
 def open_local(decode, request_id: str, prompt: list[int], sampling: worker_pb2.SamplingParams):
-    request = worker_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                                         local_prefill=True)
-    return decode.decode_stub.Generate(request, timeout=60)
+    return open_generate(decode, "", request_id, prompt, sampling, timeout_s=60, local_prefill=True)
 
 
 def local_prefills(decode) -> float:
@@ -104,8 +102,7 @@ def test_a_local_request_has_no_prefill_worker_to_move(pair):
 @pytest.mark.parametrize("prefill_address, local", [("", False), ("127.0.0.1:1", True)])
 def test_a_prefill_worker_or_local_prefill_exactly_one(pair, prefill_address, local):
     prefill, decode = pair
-    request = worker_pb2.GenerateRequest(request_id=f"both-{local}", prompt_token_ids=[1, 2, 3],
-                                         sampling=greedy(4), prefill_address=prefill_address, local_prefill=local)
-    result = collect(decode.decode_stub.Generate(request, timeout=10))
+    result = collect(open_generate(decode, prefill_address, f"both-{local}", [1, 2, 3], greedy(4), timeout_s=10,
+                                   local_prefill=local))
     assert result.error is not None and result.error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "local_prefill" in result.error.details()

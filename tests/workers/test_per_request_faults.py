@@ -47,7 +47,7 @@ def still_serves(prefill, decode, expected: list[int], tag: str) -> None:
 
 
 def real_destination(decode, rogue: RoguePrefill, request_id: str):
-    """A genuine descriptor of the decode worker's pool (its Generate reserved blocks for us)."""
+    """A genuine descriptor of the decode worker's pool (the request started on it reserved blocks for us)."""
     call = open_generate(decode, rogue.address, request_id, PROMPT, greedy(6), timeout_s=30)
     return call, rogue.destination(request_id)
 

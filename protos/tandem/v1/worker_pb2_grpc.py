@@ -34,11 +34,6 @@ class PrefillWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_unary(
-                '/tandem.v1.PrefillWorker/Submit',
-                request_serializer=tandem_dot_v1_dot_worker__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.SubmitResponse.FromString,
-                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/tandem.v1.PrefillWorker/Session',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.PrefillSessionRequest.SerializeToString,
@@ -63,12 +58,6 @@ class PrefillWorkerStub:
 
 class PrefillWorkerServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def Submit(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -97,11 +86,6 @@ class PrefillWorkerServicer:
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_unary_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=tandem_dot_v1_dot_worker__pb2.SubmitRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.SubmitResponse.SerializeToString,
-            ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.PrefillSessionRequest.FromString,
@@ -132,33 +116,6 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PrefillWorker:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Submit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/tandem.v1.PrefillWorker/Submit',
-            tandem_dot_v1_dot_worker__pb2.SubmitRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.SubmitResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Session(request_iterator,
@@ -278,11 +235,6 @@ class DecodeWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Generate = channel.unary_stream(
-                '/tandem.v1.DecodeWorker/Generate',
-                request_serializer=tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
-                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/tandem.v1.DecodeWorker/Session',
                 request_serializer=tandem_dot_v1_dot_worker__pb2.DecodeSessionRequest.SerializeToString,
@@ -307,12 +259,6 @@ class DecodeWorkerStub:
 
 class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
-
-    def Generate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -341,11 +287,6 @@ class DecodeWorkerServicer:
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Generate': grpc.unary_stream_rpc_method_handler(
-                    servicer.Generate,
-                    request_deserializer=tandem_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
-            ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
                     request_deserializer=tandem_dot_v1_dot_worker__pb2.DecodeSessionRequest.FromString,
@@ -376,33 +317,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Generate(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/tandem.v1.DecodeWorker/Generate',
-            tandem_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
-            tandem_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Session(request_iterator,
