@@ -18,6 +18,15 @@
  * it in register tiles of MB x NT dot products over k. Every output element is one thread's
  * fixed-order sum, so results do not depend on the number of threads. AVX-512 only: without it
  * tandem_qlinear_supported() is 0 and callers keep the dense oneDNN weights.
+ *
+ * tandem_qlinear_bf16 (CPUs with AMX, bfloat16 models): x and out bfloat16. Each thread
+ * dequantizes a tile of 16 weight rows with the same float32 arithmetic, rounds it to bfloat16
+ * (round to nearest even: the values the dense bfloat16 weights hold) and multiplies it with the
+ * AMX unit, the weight tile as the A operand (16 rows x 32 k, row major, so no transpose) and x
+ * transposed once per call into the B operand's pair layout (16 k-pairs x 16 x rows), float32
+ * accumulation. The dequantization is paid once per weight whatever the number of x rows, and
+ * the products are nearly free, so a step of up to 64 tokens reads the 5-bit blocks at close to
+ * the cost of one token.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -26,7 +35,15 @@
 
 #include "avx512.h"
 
-#define ABI_VERSION 1
+#if HAVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#else
+#define HAVE_AMX 0
+#endif
+
+#define ABI_VERSION 2
 /* GGML type ids (gguf.GGMLQuantizationType). */
 enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_Q4_K = 12, QTYPE_Q6_K = 14 };
 enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_QTYPE = 3, ERR_UNSUPPORTED = 4 };
@@ -225,6 +242,159 @@ int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
             }
             free(scratch);
         }
+    }
+    return failed ? ERR_NO_MEMORY : OK;
+#endif
+}
+
+#if HAVE_AMX
+/* AMX tile registers: 0-3 accumulate out^T for up to 4 blocks of 16 x rows, 4 holds the weight
+ * tile, 5 a block of transposed x. Tile ids are immediates, hence the unrolled macros. */
+#define AMX_XBLOCKS 4
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static int amx_permitted(void) {
+    /* Linux hands out AMX state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
+    static int state = 0;
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* xt[(b * nkc + c) * 512 + r * 32 + m * 2 + e] = x[16 b + m, 32 c + 2 r + e], zero past M. */
+static void transpose_x(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, uint16_t *xt) {
+    const int64_t nkc = K / 32, nblocks = (M + 15) / 16;
+    if (M % 16)   /* the last block's columns past M multiply as zeros */
+        memset(xt + (nblocks - 1) * nkc * 512, 0, (size_t)(nkc * 1024));
+    const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(16));
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t c = 0; c < nkc; c++) {
+            __m512i pairs = _mm512_loadu_si512((const void *)(x + m * x_stride + c * 32));
+            uint16_t *tile = xt + ((m / 16) * nkc + c) * 512 + (m % 16) * 2;
+            _mm512_i32scatter_epi32((void *)tile, index, pairs, 4);
+        }
+    }
+}
+
+static inline void f32_row_to_bf16(const float *src, int64_t K, uint16_t *dst) {
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
+        _mm512_storeu_si512((void *)(dst + k), (__m512i)v);
+    }
+}
+
+/* out[m, n0 + n] = bf16(acc[n][m]) for m < mb rows of this x block, n < nt. */
+static void store_block(const float *acc, int64_t m0, int64_t mb, int nt, uint16_t *out, int64_t out_stride,
+                        int64_t n0) {
+    const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                              _mm512_set1_epi32(16));
+    const __mmask16 keep = (__mmask16)((1u << nt) - 1u);
+    for (int64_t m = 0; m < mb; m++) {
+        __m512 values = _mm512_i32gather_ps(_mm512_add_epi32(column, _mm512_set1_epi32((int)m)), acc, 4);
+        __m256bh rounded = _mm512_cvtneps_pbh(values);
+        _mm256_mask_storeu_epi16((void *)(out + (m0 + m) * out_stride + n0), keep, (__m256i)rounded);
+    }
+}
+
+#define AMX_STEP(T)                                                                           \
+    if (nb > T) {                                                                             \
+        _tile_loadd(5, xt + ((b0 + T) * nkc + c) * 512, 64);                                  \
+        _tile_dpbf16ps(T, 4, 5);                                                              \
+    }
+#define AMX_STORE(T)                                                                          \
+    if (nb > T) {                                                                             \
+        _tile_stored(T, acc, 64);                                                             \
+        store_block(acc, (b0 + T) * 16, M - (b0 + T) * 16 < 16 ? M - (b0 + T) * 16 : 16, nt, out, out_stride, n0); \
+    }
+#endif /* HAVE_AMX */
+
+int tandem_qlinear_bf16_supported(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
+                        const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
+                        uint16_t *out, int64_t out_stride, int32_t nthreads) {
+    const int64_t bb = block_bytes(qtype);
+    if (bb == 0) return ERR_BAD_QTYPE;
+    const int64_t bw = block_weights(qtype);
+    if (M < 0 || N < 0 || K <= 0 || K % bw != 0 || w_row_bytes != K / bw * bb || x_stride < K || out_stride < N)
+        return ERR_BAD_SHAPE;
+#if !HAVE_AMX
+    (void)x; (void)w; (void)out; (void)nthreads;
+    return ERR_UNSUPPORTED;
+#else
+    if (!amx_permitted()) return ERR_UNSUPPORTED;
+    if (M == 0 || N == 0) return OK;
+    const int64_t nkc = K / 32, nblocks = (M + 15) / 16, ntiles = (N + 15) / 16;
+    /* The transposed x lives as long as the calling (engine) thread: no allocation per call. */
+    static __thread uint16_t *xt_buffer = NULL;
+    static __thread int64_t xt_capacity = 0;
+    const int64_t xt_elems = nblocks * nkc * 512;
+    if (xt_elems > xt_capacity) {
+        free(xt_buffer);
+        xt_buffer = aligned_alloc(64, (size_t)xt_elems * 2);
+        xt_capacity = xt_buffer == NULL ? 0 : xt_elems;
+        if (xt_buffer == NULL) return ERR_NO_MEMORY;
+    }
+    uint16_t *xt = xt_buffer;   /* the team's threads see the caller's buffer, not their own */
+    transpose_x(x, x_stride, M, K, xt);
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > ntiles) nthreads = (int32_t)ntiles;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
+        float *row = aligned_alloc(64, (size_t)(K * sizeof(float) + 63) / 64 * 64);
+        uint16_t *wt = aligned_alloc(64, (size_t)(16 * K * 2 + 63) / 64 * 64);
+        float *acc = aligned_alloc(64, 16 * 16 * sizeof(float));
+        if (row == NULL || wt == NULL || acc == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else if (first < last) {
+            tile_config cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette_id = 1;
+            for (int t = 0; t < 6; t++) {
+                cfg.rows[t] = 16;
+                cfg.colsb[t] = 64;
+            }
+            _tile_loadconfig(&cfg);
+            for (int64_t t = first; t < last; t++) {
+                const int64_t n0 = t * 16;
+                const int nt = (int)(N - n0 < 16 ? N - n0 : 16);
+                for (int j = 0; j < nt; j++) {
+                    dequant_row(w + (n0 + j) * w_row_bytes, K, qtype, row);
+                    f32_row_to_bf16(row, K, wt + j * K);
+                }
+                if (nt < 16) memset(wt + nt * K, 0, (size_t)((16 - nt) * K * 2));
+                for (int64_t b0 = 0; b0 < nblocks; b0 += AMX_XBLOCKS) {
+                    const int64_t nb = nblocks - b0 < AMX_XBLOCKS ? nblocks - b0 : AMX_XBLOCKS;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t c = 0; c < nkc; c++) {
+                        _tile_loadd(4, wt + c * 32, K * 2);
+                        AMX_STEP(0) AMX_STEP(1) AMX_STEP(2) AMX_STEP(3)
+                    }
+                    AMX_STORE(0) AMX_STORE(1) AMX_STORE(2) AMX_STORE(3)
+                }
+            }
+            _tile_release();
+        }
+        free(row);
+        free(wt);
+        free(acc);
     }
     return failed ? ERR_NO_MEMORY : OK;
 #endif

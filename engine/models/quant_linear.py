@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "quant_linear.c"
-ABI_VERSION = 1
-TUNE_BATCHES = (1, 4, 16, 32, 64)
+ABI_VERSION = 2
+TUNE_BATCHES = (1, 4, 16, 32, 64, 128, 256)   # up to the first batch where the dense weights win
 TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
 
@@ -88,9 +88,16 @@ class _Kernel:
         self._fn = lib.tandem_qlinear
         self._fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i32, _ptr, _i64, _i32]
         self._fn.restype = ctypes.c_int
+        # bfloat16 in and out through the AMX unit, where the CPU has one (and Linux grants it).
+        self.amx = bool(lib.tandem_qlinear_bf16_supported())
+        self._fn_bf16 = lib.tandem_qlinear_bf16
+        self._fn_bf16.argtypes = self._fn.argtypes
+        self._fn_bf16.restype = ctypes.c_int
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.bfloat16 and self.amx:
+            return self._bf16(x, weight, bias)
         if dtype != torch.float32:
             x = x.float()
         if x.stride(-1) != 1:
@@ -105,6 +112,19 @@ class _Kernel:
         if bias is not None:
             out += bias
         return out if dtype == torch.float32 else out.to(dtype)
+
+    def _bf16(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.rows, dtype=torch.bfloat16)
+        status = self._fn_bf16(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                               weight.data.shape[1], weight.rows, weight.qtype, out.data_ptr(), out.stride(0),
+                               torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"quantized linear kernel: {STATUS_MESSAGES.get(status, status)}")
+        if bias is not None:
+            out += bias
+        return out
 
 
 @lru_cache(maxsize=1)

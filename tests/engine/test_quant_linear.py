@@ -91,10 +91,57 @@ def test_strided_rows_bias_and_bfloat16():
     wide = torch.randn(3, 100, generator=torch.Generator().manual_seed(3))
     x, bias = wide[:, :64], torch.randn(20)
     _assert_matches_reference(quant_linear.linear(x, weight, bias) - bias, x, dense)
-    got = quant_linear.linear(x.bfloat16(), weight)
+    x16 = wide.bfloat16()[:, :64]   # strided bfloat16 rows; the weights as a bfloat16 model holds them
+    got = quant_linear.linear(x16, weight)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), x.bfloat16().float() @ dense.T, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got.float(), x16.float() @ dense.bfloat16().float().T, rtol=1e-2, atol=1e-2)
     assert quant_linear.linear(torch.empty(0, 64), weight).shape == (0, 20)
+
+
+def _cpu_has_amx_bf16() -> bool:
+    flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "").split()
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= set(flags)
+
+
+@pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])
+def test_bfloat16_steps(qtype, rows):
+    """bfloat16 in and out (the AMX kernel where the CPU has AMX; the float32 kernel elsewhere):
+    the products of x and the weights rounded to bfloat16, as the dense bfloat16 weights hold them,
+    summed in float32 and rounded once. Rows cover partial and whole blocks of 16 and more than
+    the 4 blocks one pass holds; 37 output features a partial tile."""
+    if qtype in K_TYPES:
+        weight, dense = _k_quant_weight(qtype, 37, 512, seed=rows)
+    else:
+        weight, dense = _weight(qtype, 37, 96, seed=rows)
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = quant_linear.linear(x, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+    w16 = dense.bfloat16().double()
+    ref = x.double() @ w16.T
+    scale = x.double().abs() @ w16.abs().T
+    # one bfloat16 rounding of the result (2^-9 relative) plus float32 sums' order
+    error = (got.double() - ref).abs()
+    assert bool((error <= 2.0 ** -8 * ref.abs() + 1e-5 * scale + 1e-12).all()), f"max error {error.max():.3g}"
+
+
+def test_bfloat16_kernel_is_the_amx_one_where_the_cpu_has_amx():
+    """A CPU with AMX must not fall back silently to the float32 kernel (2-3x slower at 16 rows)."""
+    assert quant_linear.load().amx == _cpu_has_amx_bf16()
+
+
+def test_bfloat16_results_do_not_depend_on_threads():
+    weight, _ = _weight(GGMLQuantizationType.Q4_1, 200, 576, seed=4)
+    x = torch.randn(33, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_linear.linear(x, weight)
+        torch.set_num_threads(2)
+        two = quant_linear.linear(x, weight)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
 
 
 def test_bad_blocks_are_refused():
@@ -171,6 +218,32 @@ def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
         max_batch, timings = quant_linear.measure_max_batch(linears, torch.float32, batches=(1, 4), repeats=1,
                                                             dense_bytes=1 << 20)
         assert max_batch in (0, 1, 4) and set(timings) <= {1, 4}
+    finally:
+        llm.close()
+
+
+def test_smollm2_bfloat16_decodes_the_same_from_blocks(smollm2_checkpoint):
+    """bfloat16 (the AMX kernel where the CPU has AMX): the blocks give the weights the dense
+    bfloat16 model holds, so only the order of float32 sums differs; greedy text stays the same."""
+    from engine.config import SamplingParams
+    from engine.llm import LLM
+
+    llm = LLM(SMOLLM2, dtype="bfloat16", device="cpu", max_model_len=512, num_gpu_blocks_override=80,
+              gguf_kernels="off")
+    try:
+        model = llm.engine.runner.model
+        linears = model.attach_quantized(smollm2_checkpoint.quantized_weights())
+        for lin in (model.layers[0].self_attn.qkv_proj, model.layers[7].mlp.down_proj, model.packed_head):
+            x = torch.randn(5, lin.in_features).bfloat16()
+            torch.testing.assert_close(lin.quantized_forward(x).float(), lin.dense_forward(x).float(),
+                                       rtol=2 ** -7, atol=1e-2)
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        prompts = [[{"role": "user", "content": "What is the capital of France?"}],
+                   [{"role": "user", "content": "List three prime numbers."}]]
+        dense = [out.token_ids for out in llm.chat(prompts, params)]
+        for lin in linears:
+            lin.quant_max_batch = 64
+        assert [out.token_ids for out in llm.chat(prompts, params)] == dense
     finally:
         llm.close()
 
