@@ -9,20 +9,30 @@ budget``; one table of SLO goodput and worker-seconds per phase and over the who
 H100's ~200 tokens/s per stream times hundreds of streams is more SSE than the router and the
 client on a 2-core machine can carry. Arrival rates and SLOs are given in the profile's own
 (H100) time and scaled here, and the table is in H100 time again: goodput = requests meeting both
-SLOs per H100-second, worker-seconds = wall seconds x replicas / slowdown. Queueing is the same at
+SLOs per H100-second, worker-seconds = wall seconds x replicas holding a worker / slowdown (for
+the planner: the ones it asks for, starting ones included, and those still draining). Queueing is the same at
 any slowdown; what does not scale is everything real (the router, a worker's start, the planner's
 interval): those are faster in H100 time than they would be (a started sim worker serves in a few
-wall seconds, a real 8B one takes a minute).
+wall seconds, a real 8B one takes a minute). At slowdown 10 the TTFT SLO of 500 ms is 5 s of
+wall time, a bound of the router's histogram, so the planner's "TTFT p90 over the SLO" is exact.
 
-**Trace** (``--phase-s`` wall seconds each, Poisson arrivals, seed ``--seed``, the same arrival
-times and prompts for every system):
+**Trace** (``--phases NAME:WALL_SECONDS,...``, Poisson arrivals, seed ``--seed``, the same
+arrival times and prompts for every system). A phase whose name starts with
 
-1. ``chat``: ``--chat-rate`` requests/s, ``--chat-prompt``-token prompts, ``--chat-output`` tokens
-   out: many streams, decode-bound;
-2. ``doc``: long-document summarisation, ``--doc-rate`` requests/s of ``--doc-prompt`` tokens,
-   ``--doc-output`` out: prefill-bound;
-3. ``chat`` again;
-4. ``ramp``: chat whose rate rises linearly from ``--ramp-from`` x chat-rate to chat-rate.
+- ``chat`` sends ``--chat-rate`` requests/s of ``--chat-prompt``-token prompts and
+  ``--chat-output`` tokens out: decode-bound (defaults 17.5/s of 1024 -> 768: ~75 streams of
+  ~1400 tokens of context; two decode workers break the 6 ms ITL SLO, three keep it, and one
+  prefill worker computes the prompts at ~70% of its capacity);
+- ``doc`` sends long-document summarisation, ``--doc-rate`` requests/s of ``--doc-prompt`` tokens,
+  ``--doc-output`` out: prefill-bound (defaults 13.7/s of 4096 -> 64: 2.2 prefill workers' worth of
+  prompt tokens, so two run over capacity and three at 75%; one decode worker carries the output);
+- ``ramp`` sends chat whose rate rises linearly from ``--ramp-from`` x chat-rate to chat-rate.
+
+The default ``chat:75,doc:135,ramp:100`` (wall seconds: 7.5, 13.5 and 10 H100-seconds at the
+default slowdown 10) needs 1:3 for chat and 3:1 for documents, so no static split of 4 carries
+every phase. A chat stream lives ~4.4 H100-seconds (768 tokens at ~5.7 ms), so a phase is 2-3
+stream lives long: shorter phases never reach their steady load (the 2026-11-27 trace of 80 s
+phases at slowdown 60 had streams longer than its phases, and 2:2 carried everything).
 
 A request meets the SLOs when its TTFT (request sent -> first token, at the client) is at most
 ``--ttft-slo-ms`` and its mean inter-token time ((last token - first token) / (tokens - 1)) at
@@ -30,7 +40,7 @@ most ``--itl-slo-ms``; a failed request meets neither. A request counts in the p
 in. Every prompt is new (no prefix-cache hits) and the router prefills nothing itself
 (``--local-prefill-max-tokens 0``), so the split decides where every token is computed.
 
-    python benchmarks/planner.py [--budget 4] [--splits 1:3,2:2,3:1] [--phase-s 80] [--slowdown 60]
+    python benchmarks/planner.py [--budget 4] [--splits 1:3,2:2,3:1] [--phases chat:75,doc:135,ramp:100]
 
 Everything listens on 127.0.0.1; each deployment is stopped with Ctrl-C even on errors. Prints a
 JSON line per system, then the table.
@@ -52,7 +62,7 @@ import httpx
 from scale_sim import DEFAULT_PROFILE, Result, client_for, slowed_profile, stream
 from soak import Deployment
 
-PHASES = ("chat", "doc", "chat-2", "ramp")
+KINDS = ("chat", "doc", "ramp")
 
 
 @dataclass(frozen=True)
@@ -64,22 +74,34 @@ class Request:
     seed: int
 
 
+def phases(args: argparse.Namespace) -> list[tuple[str, float, float]]:
+    """``--phases`` as (name, start, end) in wall seconds."""
+    out, start = [], 0.0
+    for item in args.phases.split(","):
+        name, _, seconds = item.partition(":")
+        if not name.rstrip("-0123456789").startswith(KINDS) or not seconds:
+            raise SystemExit(f"--phases: {item!r} is not NAME:SECONDS with NAME starting with one of {KINDS}")
+        out.append((name, start, start + float(seconds)))
+        start += float(seconds)
+    return out
+
+
 def trace(args: argparse.Namespace) -> list[Request]:
     """Poisson arrivals per phase, in wall seconds (rates given per H100-second, / slowdown)."""
     rng = random.Random(args.seed)
     out: list[Request] = []
-    for index, phase in enumerate(PHASES):
-        start, t = index * args.phase_s, 0.0
-        doc = phase == "doc"
+    for phase, start, end in phases(args):
+        t = 0.0
+        doc = phase.startswith("doc")
         prompt_len, max_tokens = (args.doc_prompt, args.doc_output) if doc else (args.chat_prompt, args.chat_output)
         peak = (args.doc_rate if doc else args.chat_rate) / args.slowdown
         while True:
             # The ramp's rate at t: thinning a Poisson process of the peak rate.
             t += rng.expovariate(peak)
-            if t >= args.phase_s:
+            if t >= end - start:
                 break
-            if phase == "ramp":
-                rate = args.ramp_from + (1 - args.ramp_from) * t / args.phase_s
+            if phase.startswith("ramp"):
+                rate = args.ramp_from + (1 - args.ramp_from) * t / (end - start)
                 if rng.random() > rate:
                     continue
             out.append(Request(start + t, phase, prompt_len, max_tokens, rng.randrange(1 << 30)))
@@ -91,19 +113,20 @@ def prompt(request: Request) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(request.prompt_len)]
 
 
-def meets(result: Result, request: Request, args: argparse.Namespace) -> bool:
+def meets(result: Result, request: Request, args: argparse.Namespace) -> tuple[bool, bool]:
+    """Whether the request met the TTFT SLO, and the ITL SLO (a failed request meets neither)."""
     if not result.ok or result.ttft_s is None or result.num_tokens < request.max_tokens:
-        return False
+        return False, False
     tpot = sum(result.itl_s) / max(1, request.max_tokens - 1)
-    return result.ttft_s <= args.ttft_slo_ms * args.slowdown / 1e3 and tpot <= args.itl_slo_ms * args.slowdown / 1e3
+    return result.ttft_s <= args.ttft_slo_ms * args.slowdown / 1e3, tpot <= args.itl_slo_ms * args.slowdown / 1e3
 
 
 async def replay(http: str, model: str, requests: list[Request], args: argparse.Namespace,
                  replicas_at: list[tuple[float, int, int]], planner_metrics: str | None) -> list[Result]:
-    """Send every request at its time; meanwhile sample the replicas the planner asks for (its
-    ``tandem_planner_target_replicas``: a starting replica holds its GPU too), every second, into
-    ``replicas_at`` as (wall s, prefill, decode)."""
-    timeout_s = max(600.0, 4 * args.phase_s)
+    """Send every request at its time; meanwhile sample the replicas that hold a worker (the
+    planner's ``tandem_planner_held_replicas``: those asked for, starting ones included, and those
+    still draining), every second, into ``replicas_at`` as (wall s, prefill, decode)."""
+    timeout_s = max(600.0, 2 * phases(args)[-1][2])
     async with client_for(http, 4096) as client:
         t0 = time.monotonic()
 
@@ -117,7 +140,7 @@ async def replay(http: str, model: str, requests: list[Request], args: argparse.
                     if planner_metrics:
                         try:
                             text = (await metrics.get(f"http://{planner_metrics}/metrics")).text
-                            got = dict(re.findall(r'tandem_planner_target_replicas\{role="(\w+)"\} ([\d.]+)', text))
+                            got = dict(re.findall(r'tandem_planner_held_replicas\{role="(\w+)"\} ([\d.]+)', text))
                             replicas_at.append((time.monotonic() - t0, int(float(got["prefill"])),
                                                 int(float(got["decode"]))))
                         except (httpx.HTTPError, KeyError, ValueError):
@@ -148,6 +171,7 @@ def run_system(name: str, flags: list[str], requests: list[Request], args: argpa
     dep = Deployment(workdir / f"serve-{name.replace(':', '-')}.log",
                      ["--engine", "sim", "--sim-profile", str(profile_file), "--local-prefill-max-tokens", "0",
                       "--max-model-len", str(max(args.doc_prompt, args.chat_prompt) + 1024),
+                      "--max-num-seqs", str(args.max_num_seqs),
                       *flags, *args.serve_flags], {})
     replicas_at: list[tuple[float, int, int]] = []
     try:
@@ -163,14 +187,16 @@ def run_system(name: str, flags: list[str], requests: list[Request], args: argpa
         dep.stop()
     k = args.slowdown
     row: dict = {"system": name, "wall_s": round(wall, 1), "phases": {}}
-    spans = {phase: (i * args.phase_s, (i + 1) * args.phase_s) for i, phase in enumerate(PHASES)}
-    spans["all"] = (0.0, len(PHASES) * args.phase_s)
+    spans = {phase: (start, end) for phase, start, end in phases(args)}
+    spans["all"] = (0.0, phases(args)[-1][2])
     for phase, (lo, hi) in spans.items():
         mine = [(q, r) for q, r in zip(requests, results) if phase == "all" or q.phase == phase]
-        good = sum(meets(r, q, args) for q, r in mine)
+        met = [meets(r, q, args) for q, r in mine]
+        good = sum(ttft and itl for ttft, itl in met)
         ttft = sorted(r.ttft_s for _, r in mine if r.ttft_s is not None)
         row["phases"][phase] = {
             "requests": len(mine), "failed": sum(not r.ok for _, r in mine), "good": good,
+            "ttft_met": sum(ttft for ttft, _ in met), "itl_met": sum(itl for _, itl in met),
             "goodput": round(good / ((hi - lo) / k), 2),
             "worker_s": round(worker_seconds(replicas_at, lo, hi) / k, 2),
             "ttft_p90_ms": round(ttft[int(0.9 * (len(ttft) - 1))] * 1e3 / k, 1) if ttft else None}
@@ -181,11 +207,11 @@ def run_system(name: str, flags: list[str], requests: list[Request], args: argpa
 
 
 def table(rows: list[dict]) -> str:
-    phases = [*PHASES, "all"]
-    head = "| system | " + " | ".join(f"{p} goodput / worker-s" for p in phases) + " | failed |"
-    lines = [head, "|" + "---|" * (len(phases) + 2)]
+    names = list(rows[0]["phases"])
+    head = "| system | " + " | ".join(f"{p} goodput / worker-s" for p in names) + " | failed |"
+    lines = [head, "|" + "---|" * (len(names) + 2)]
     for row in rows:
-        cells = [f"{row['phases'][p]['goodput']:.1f} / {row['phases'][p]['worker_s']:.1f}" for p in phases]
+        cells = [f"{row['phases'][p]['goodput']:.1f} / {row['phases'][p]['worker_s']:.1f}" for p in names]
         lines.append(f"| {row['system']} | " + " | ".join(cells) + f" | {row['phases']['all']['failed']} |")
     return "\n".join(lines)
 
@@ -194,22 +220,24 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default=str(DEFAULT_PROFILE))
-    p.add_argument("--slowdown", type=float, default=60.0)
+    p.add_argument("--slowdown", type=float, default=10.0)
     p.add_argument("--budget", type=int, default=4, help="prefill + decode workers of every system")
     p.add_argument("--splits", default=None, help="static P:D splits to run (default: every one of the budget)")
     p.add_argument("--no-planner", action="store_true")
     p.add_argument("--planner-start", default=None, help="the planner's first P:D (default: half the budget each)")
     p.add_argument("--planner-interval-s", type=float, default=2.0, help="wall seconds")
-    p.add_argument("--phase-s", type=float, default=80.0, help="wall seconds per phase")
+    p.add_argument("--phases", default="chat:70,doc:100,ramp:90",
+                   help="NAME:WALL_SECONDS,...; a name starting with chat, doc or ramp sends that load")
     p.add_argument("--ttft-slo-ms", type=float, default=500.0, help="H100 ms")
     p.add_argument("--itl-slo-ms", type=float, default=6.0, help="H100 ms")
-    p.add_argument("--chat-rate", type=float, default=80.0, help="requests per H100-second")
-    p.add_argument("--chat-prompt", type=int, default=256)
-    p.add_argument("--chat-output", type=int, default=512)
-    p.add_argument("--doc-rate", type=float, default=10.0)
-    p.add_argument("--doc-prompt", type=int, default=6000)
+    p.add_argument("--chat-rate", type=float, default=17.5, help="requests per H100-second")
+    p.add_argument("--chat-prompt", type=int, default=1024)
+    p.add_argument("--chat-output", type=int, default=768)
+    p.add_argument("--doc-rate", type=float, default=13.7)
+    p.add_argument("--doc-prompt", type=int, default=4096)
     p.add_argument("--doc-output", type=int, default=64)
     p.add_argument("--ramp-from", type=float, default=0.15, help="the ramp's first rate, a fraction of --chat-rate")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="decode batch cap of every worker")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="also write the rows here")
     p.add_argument("serve_flags", nargs="*", help="after --: extra `tandem serve` flags for every system")
@@ -220,7 +248,8 @@ def main() -> int:
     profile_file = workdir / "slowed.json"
     profile_file.write_text(json.dumps(slowed_profile(profile, args.slowdown)))
     requests = trace(args)
-    splits = args.splits.split(",") if args.splits else [f"{n}:{args.budget - n}" for n in range(1, args.budget)]
+    splits = [f"{n}:{args.budget - n}" for n in range(1, args.budget)] if args.splits is None else \
+        [s for s in args.splits.split(",") if s]
     args.planner_start = args.planner_start or f"{args.budget // 2}:{args.budget - args.budget // 2}"
     start = args.planner_start.split(":")
     systems = [(s, ["--prefill", s.split(":")[0], "--decode", s.split(":")[1]]) for s in splits]
@@ -230,7 +259,7 @@ def main() -> int:
                                     "--itl-slo-ms", f"{args.itl_slo_ms * args.slowdown:g}",
                                     "--max-workers", str(args.budget),
                                     "--planner-interval-s", f"{args.planner_interval_s:g}"]))
-    print(f"# {len(requests)} requests over {len(PHASES)} x {args.phase_s:g} s; logs in {workdir}", flush=True)
+    print(f"# {len(requests)} requests over {args.phases} (wall s); logs in {workdir}", flush=True)
     rows = []
     for name, flags in systems:
         row = run_system(name, flags, requests, args, profile_file, workdir)

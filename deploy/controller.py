@@ -423,7 +423,11 @@ class Controller:
                 http = f"{self.router['node']}:{port}"
             workers = {role: [r.metrics for r in self.replicas if r.role == role and r.state == "running"
                               and r.metrics] for role in ROLES}
-            return Targets(http, workers, dict(self.desired), {role: len(workers[role]) for role in ROLES})
+            # A draining replica still holds its worker (on a GPU budget, its accelerator) until its
+            # last stream ends; the planner counts it against --max-workers.
+            held = {role: self.desired[role] + sum(r.role == role and r.state == "draining" for r in self.replicas)
+                    for role in ROLES}
+            return Targets(http, workers, dict(self.desired), {role: len(workers[role]) for role in ROLES}, held)
 
     # -- router ------------------------------------------------------------------------------
 

@@ -15,7 +15,10 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   and so the TTFT, short.
 - **decode**: capacity = streams one decode worker runs with its ITL within the SLO (the profile's
   step-time model solved for the batch, else learned: running streams per worker x SLO / observed
-  ITL, from intervals whose ITL said something). Load = a moving average of the streams decoding.
+  ITL, from intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed
+  part, so far below the SLO the proportion says nothing). Load = a moving average of the streams
+  decoding. The ITL is the interval's *mean* (the router histogram's sum / count, exact): a
+  percentile read off buckets of 5 and 10 ms cannot say whether 6 ms was kept.
 - **correction**: when the observed TTFT (ITL) p90 breaks its SLO although the model says the
   replicas suffice, the model is wrong: one replica more (Dynamo's correction factor, as a step) --
   unless a replica asked for is still starting, or the prefill workers compute more tokens/s than
@@ -26,8 +29,15 @@ Hysteresis, so a noisy signal does not flap: a role grows only after ``up_after`
 row asked for more, and shrinks (one replica at a time) only after ``down_after`` intervals in a
 row in which one replica fewer would still carry the load at ``down_utilization`` (below the
 target: headroom) and the SLO was met with margin. After any change a role is left alone for
-``cooldown_s``. Targets are clamped to [1, max_workers - 1] per role and ``max_workers`` in all;
-when the two roles ask for more than that, the room is shared: the larger growth is cut first.
+``cooldown_s``. Targets are clamped to [1, max_workers - 1] per role and ``max_workers`` in all,
+counting a replica that still drains (it holds its accelerator until its last stream ends); when the
+two roles ask for more than that, the room is shared: the larger growth is cut first.
+
+**Trading under the budget.** With ``max_workers`` reached, a role whose growth was cut for
+``up_after`` intervals takes a replica from the other role as soon as that one would still carry
+its load at ``target_utilization`` with its SLO met now (the other gives it back at once, not after
+``down_after`` intervals: the load has moved, it has not fallen; its cooldown still holds). The
+growth follows when the replica given back has drained.
 """
 from __future__ import annotations
 
@@ -43,6 +53,10 @@ from protos.limits import ROLES
 # batch that meets the ITL SLO (a prompt of ~1k tokens and its output); what ITL is then observed
 # corrects it (Planner._learn).
 PROFILE_DECODE_CONTEXT_TOKENS = 1024
+# The decode capacity is learned only from intervals whose mean ITL was at least this fraction of the
+# SLO: a step is base + per-stream cost, so scaling a batch by SLO / ITL from far below misjudges it
+# (at 4 ms of a 6 ms SLO, most of the 4 ms is the fixed part).
+LEARN_ITL_FRACTION = 0.85
 
 
 class Reason(enum.IntEnum):
@@ -61,6 +75,7 @@ class Reason(enum.IntEnum):
     NO_DATA = 10            # no capacity known yet and no SLO broken: nothing to go on
     STARTING = 11           # the SLO is broken but replicas asked for are still starting: wait for them
     DRAINING = 12           # TTFT broken by a backlog the prefill workers are already working off
+    REBALANCE = 13          # at --max-workers: given to the other role, which needs it (its load moved)
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,8 @@ class Observation:
 
     replicas: dict[str, int]                 # asked for now (the controller's desired), per role
     serving: dict[str, int] | None = None    # of those, serving now; None: all of them
+    # Replicas that hold a worker now: the asked-for ones and those still draining; None: replicas.
+    held: dict[str, int] | None = None
     prompt_tokens_per_s: float = 0.0         # prompt tokens arriving at the router
     prefill_tokens_per_s: float = 0.0        # prompt tokens the prefill workers computed
     # Per worker, the mean over the prefill workers with prompts still queued at the end: they ran
@@ -111,7 +128,7 @@ class Observation:
     decode_streams: float = 0.0              # streams running (or reserved) on decode workers, at the end
     decode_kv_usage: float = 0.0             # the fullest decode worker's KV usage ratio
     ttft_p90_s: float | None = None          # router, over the interval; None: no request got a first token
-    itl_p90_s: float | None = None
+    itl_mean_s: float | None = None          # router, mean over the interval's tokens; None: none streamed
 
 
 @dataclass(frozen=True)
@@ -171,13 +188,16 @@ class Planner:
         targets: dict[str, int] = {}
         for role in ROLES:
             targets[role], reasons[role] = self._hysteresis(role, obs, need[role], reasons[role], now_s)
-        # The cap again: the room left is shared, one replica at a time off the larger growth.
-        for _ in range(sum(targets.values()) - self.config.max_workers):
+        # The cap again, with what still drains (it holds its worker): the room left is shared, one
+        # replica at a time off the larger growth.
+        held = obs.held or obs.replicas
+        while sum(max(targets[r], held[r]) for r in ROLES) > self.config.max_workers:
             role = max(ROLES, key=lambda r: targets[r] - obs.replicas[r])
             if targets[role] <= obs.replicas[role]:
                 break                              # over the cap without growing (scaled by hand): left as is
             targets[role] -= 1
             reasons[role] = Reason.AT_MAX
+        self._rebalance(obs, targets, reasons, now_s)
         changed = targets != obs.replicas
         for role in ROLES:
             if targets[role] != obs.replicas[role]:
@@ -205,10 +225,13 @@ class Planner:
         elif prefill is not None and per_worker > prefill:
             prefill = per_worker
         streams_per_worker = obs.decode_streams / max(1, serving["decode"])
-        informative = obs.itl_p90_s is not None and obs.itl_p90_s >= 0.5 * self.config.itl_slo_s
-        if steady and informative and streams_per_worker >= 1:
+        informative = obs.itl_mean_s is not None and obs.itl_mean_s >= LEARN_ITL_FRACTION * self.config.itl_slo_s
+        # A worker far from full says nothing about its batch capacity either (its ITL may be a KV
+        # transfer's gap, or the host's CPU): only one running at least half what it is thought to hold.
+        loaded = streams_per_worker >= max(1.0, 0.5 * (decode or 0.0))
+        if steady and informative and loaded:
             # ITL grows with the batch: scaled to the SLO, the streams a worker holds within it.
-            estimate = streams_per_worker * self.config.itl_slo_s / (obs.itl_p90_s or 1.0)
+            estimate = streams_per_worker * self.config.itl_slo_s / (obs.itl_mean_s or 1.0)
             decode = estimate if decode is None else 0.5 * (decode + estimate)
         self.capacity = Capacity(prefill, decode)
 
@@ -219,7 +242,7 @@ class Planner:
                 ("prefill", self.prompt_load, self.capacity.prefill_tokens_per_s, Reason.PREFILL_LOAD,
                  Reason.TTFT_SLO, obs.ttft_p90_s, c.ttft_slo_s),
                 ("decode", self.stream_load, self.capacity.decode_streams, Reason.DECODE_LOAD,
-                 Reason.ITL_SLO, obs.itl_p90_s, c.itl_slo_s)):
+                 Reason.ITL_SLO, obs.itl_mean_s, c.itl_slo_s)):
             current = obs.replicas[role]
             if capacity:
                 need[role] = max(1, math.ceil((load or 0.0) / (capacity * c.target_utilization)))
@@ -228,7 +251,7 @@ class Planner:
             elif _ratio(observed, slo) <= 1:
                 reasons[role] = Reason.NO_DATA
             starting = obs.serving is not None and obs.serving[role] < current
-            if role == "decode" and obs.decode_kv_usage >= c.kv_full and need[role] <= current:
+            if role == "decode" and self._kv_full(obs) and need[role] <= current:
                 slo_reason, observed = Reason.KV_FULL, math.inf
             # A backlog (from before a scale-up) shrinking by more than a tenth of the load a second.
             draining = role == "prefill" and obs.prefill_tokens_per_s > 1.1 * obs.prompt_tokens_per_s
@@ -254,11 +277,51 @@ class Planner:
                 c.ttft_slo_s
             busy = obs.prefill_waiting > current
         else:
-            capacity, load, observed, slo = self.capacity.decode_streams, self.stream_load, obs.itl_p90_s, c.itl_slo_s
-            busy = obs.decode_kv_usage >= c.kv_full * c.down_utilization / c.target_utilization
+            capacity, load, observed, slo = self.capacity.decode_streams, self.stream_load, obs.itl_mean_s, c.itl_slo_s
+            busy = self._kv_full(obs, c.kv_full * c.down_utilization / c.target_utilization)
+            # Streams still rising (a load building up, not one that fell) keep every replica.
+            busy = busy or obs.decode_streams > 1.1 * (load or 0.0)
         if not capacity or busy or _ratio(observed, slo) > c.slo_margin:
             return False
         return (load or 0.0) <= (current - 1) * capacity * c.down_utilization
+
+    def _kv_full(self, obs: Observation, threshold: float | None = None) -> bool:
+        """The decode pools nearly full of the streams' own KV. Not while prompts queue at the
+        prefill workers: a decode worker reserves a request's blocks before its prompt is computed,
+        so a prefill backlog fills the pool with reservations that another decode worker would not
+        serve any sooner (it would take more)."""
+        full = obs.decode_kv_usage >= (self.config.kv_full if threshold is None else threshold)
+        return full and obs.prefill_waiting <= obs.replicas["prefill"]
+
+    def _rebalance(self, obs: Observation, targets: dict[str, int], reasons: dict[str, Reason], now_s: float
+                   ) -> None:
+        """At the cap: a role whose growth was cut (AT_MAX, so asked for ``up_after`` intervals in a
+        row) takes a replica from the other, if that one carries its load with one fewer at
+        ``target_utilization``, meets its SLO now and is not in its cooldown. (Not ``slo_margin``:
+        a decode step's fixed part may be most of the ITL SLO, so a busy decode pool never has that
+        margin; the load model is what says one fewer suffices.)"""
+        c = self.config
+        for taker, giver in (("prefill", "decode"), ("decode", "prefill")):
+            current = obs.replicas[giver]
+            if reasons[taker] != Reason.AT_MAX or targets[giver] != current or current <= 1:
+                continue
+            if obs.serving is not None and obs.serving[giver] < current:
+                continue
+            if now_s - self._roles[giver].changed_at_s < c.cooldown_s:
+                continue
+            if giver == "prefill":
+                capacity, load, observed, slo = self.capacity.prefill_tokens_per_s, self.prompt_load, \
+                    obs.ttft_p90_s, c.ttft_slo_s
+                busy = obs.prefill_waiting > current
+            else:
+                capacity, load, observed, slo = self.capacity.decode_streams, self.stream_load, obs.itl_mean_s, \
+                    c.itl_slo_s
+                busy = self._kv_full(obs)
+            if not capacity or busy or _ratio(observed, slo) > 1:
+                continue
+            if (load or 0.0) <= (current - 1) * capacity * c.target_utilization:
+                targets[giver], reasons[giver] = current - 1, Reason.REBALANCE
+                return
 
     def _hysteresis(self, role: str, obs: Observation, need: int, reason: Reason, now_s: float
                     ) -> tuple[int, Reason]:
@@ -286,7 +349,7 @@ class Planner:
 
         return (f"replicas P{obs.replicas['prefill']} D{obs.replicas['decode']}; "
                 f"TTFT p90 {num(obs.ttft_p90_s, 1e3)} ms "
-                f"(SLO {self.config.ttft_slo_s * 1e3:.0f}), ITL p90 {num(obs.itl_p90_s, 1e3)} ms "
+                f"(SLO {self.config.ttft_slo_s * 1e3:.0f}), ITL mean {num(obs.itl_mean_s, 1e3, '.1f')} ms "
                 f"(SLO {self.config.itl_slo_s * 1e3:.0f}); prompt load {num(self.prompt_load)} tok/s, prefill "
                 f"capacity {num(self.capacity.prefill_tokens_per_s)} tok/s/worker, {obs.prefill_waiting} waiting; "
                 f"decode load {num(self.stream_load, fmt='.1f')} streams, capacity "

@@ -2,12 +2,12 @@
 
 ``PlannerLoop`` is a thread of the controller (deploy/controller.py) when ``tandem serve
 --planner`` runs. Every ``interval_s`` it scrapes the router's /metrics and every serving worker's,
-turns the change since the last scrape into an ``Observation`` (rates from counters, p90s from the
-histograms' bucket deltas, gauges as they are), asks ``Planner.decide`` (deploy/planner.py) and
-applies the targets through the controller's ``scale`` -- unless ``dry_run``, which only logs.
-A decision is logged with its reasons and the numbers behind them: at INFO when it changes
-something or its reasons differ from the last one's, else at DEBUG. Every one is exported on the
-planner's own /metrics (``tandem_planner_*``).
+turns the change since the last scrape into an ``Observation`` (rates from counters, the TTFT p90
+from the histogram's bucket deltas, the ITL's mean from its sum and count, gauges as they are),
+asks ``Planner.decide`` (deploy/planner.py) and applies the targets through the controller's
+``scale`` -- unless ``dry_run``, which only logs. A decision is logged with its reasons and the
+numbers behind them: at INFO when it changes something or its reasons differ from the last
+one's, else at DEBUG. Every one is exported on the planner's own /metrics (``tandem_planner_*``).
 """
 from __future__ import annotations
 
@@ -78,8 +78,15 @@ class Scrape:
     workers: dict[str, dict[str, Samples]] = field(default_factory=dict)   # role -> /metrics address -> samples
 
 
-def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: dict[str, int] | None = None
-            ) -> Observation:
+def window_mean(before: Samples, after: Samples, name: str) -> float | None:
+    """The mean of what a histogram observed between two scrapes (its _sum and _count deltas);
+    None when it observed nothing."""
+    count = _total(after, f"{name}_count") - _total(before, f"{name}_count")
+    return (_total(after, f"{name}_sum") - _total(before, f"{name}_sum")) / count if count > 0 else None
+
+
+def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: dict[str, int] | None = None,
+            held: dict[str, int] | None = None) -> Observation:
     """The interval between two scrapes as the planner sees it."""
     dt = max(after.at_s - before.at_s, 1e-3)
 
@@ -100,6 +107,7 @@ def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: di
     return Observation(
         replicas=dict(replicas),
         serving=None if serving is None else dict(serving),
+        held=None if held is None else dict(held),
         prompt_tokens_per_s=rate("tandem_prompt_tokens_arrived_total"),
         prefill_tokens_per_s=sum(rates.values()),
         prefill_busy_tokens_per_s=sum(busy) / len(busy) if busy else 0.0,
@@ -109,8 +117,7 @@ def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: di
         decode_kv_usage=max((_total(s, "tandem_kv_cache_usage_ratio") for s in decode), default=0.0),
         ttft_p90_s=window_quantile(_buckets(before.router, "tandem_time_to_first_token_seconds"),
                                    _buckets(after.router, "tandem_time_to_first_token_seconds"), 0.9),
-        itl_p90_s=window_quantile(_buckets(before.router, "tandem_inter_token_latency_seconds"),
-                                  _buckets(after.router, "tandem_inter_token_latency_seconds"), 0.9))
+        itl_mean_s=window_mean(before.router, after.router, "tandem_inter_token_latency_seconds"))
 
 
 def fetch_metrics(address: str, api_key: str = "") -> Samples:
@@ -132,13 +139,15 @@ class PlannerMetrics:
         self.reason = Gauge("tandem_planner_reason", "the last decision's reason per role (deploy/planner.py "
                             "Reason: 0 hold, 1 TTFT SLO, 2 prefill load, 3 ITL SLO, 4 decode load, 5 KV full, "
                             "6 load fell, 7 pending, 8 cooldown, 9 at max, 10 no data, 11 starting, "
-                            "12 draining)", ["role"], registry=r)
+                            "12 draining, 13 rebalance)", ["role"], registry=r)
         self.decisions = Counter("tandem_planner_decisions", "decisions made, by whether they changed replicas",
                                  ["changed"], registry=r)
         self.ttft = Gauge("tandem_planner_observed_ttft_p90_seconds", "router TTFT p90 over the last interval",
                           registry=r)
-        self.itl = Gauge("tandem_planner_observed_itl_p90_seconds", "router ITL p90 over the last interval",
+        self.itl = Gauge("tandem_planner_observed_itl_mean_seconds", "router ITL mean over the last interval",
                          registry=r)
+        self.held = Gauge("tandem_planner_held_replicas", "replicas holding a worker per role: asked for (serving "
+                          "or starting) and still draining", ["role"], registry=r)
         self.prompt_load = Gauge("tandem_planner_prompt_load_tokens_per_second",
                                  "predicted prompt tokens/s (moving average)", registry=r)
         self.stream_load = Gauge("tandem_planner_decode_load_streams", "predicted decode streams (moving average)",
@@ -150,7 +159,9 @@ class PlannerMetrics:
             self.reason.labels(role).set(int(decision.reasons[role]))
         self.decisions.labels(str(decision.changed).lower()).inc()
         self.ttft.set(obs.ttft_p90_s if obs.ttft_p90_s is not None else float("nan"))
-        self.itl.set(obs.itl_p90_s if obs.itl_p90_s is not None else float("nan"))
+        self.itl.set(obs.itl_mean_s if obs.itl_mean_s is not None else float("nan"))
+        for role, count in (obs.held or obs.replicas).items():
+            self.held.labels(role).set(count)
         self.prompt_load.set(planner.prompt_load or 0.0)
         self.stream_load.set(planner.stream_load or 0.0)
 
@@ -163,6 +174,7 @@ class Targets:
     workers: dict[str, list[str]]            # /metrics host:port of each serving replica, per role
     replicas: dict[str, int]                 # the controller's desired replicas per role
     serving: dict[str, int]                  # of those, running (registered and healthy)
+    held: dict[str, int] | None = None       # replicas holding a worker: desired ones and draining ones
 
 
 class PlannerLoop:
@@ -222,7 +234,7 @@ class PlannerLoop:
         before, self._last = self._last, scrape
         if before is None:
             return None
-        obs = observe(before, scrape, targets.replicas, targets.serving)
+        obs = observe(before, scrape, targets.replicas, targets.serving, targets.held)
         decision = self.planner.decide(obs, scrape.at_s)
         self.metrics.record(decision, obs, self.planner)
         self.decisions = [*self.decisions[-9:], decision]

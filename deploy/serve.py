@@ -160,7 +160,7 @@ def _planner_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ttft-slo-ms", type=float, default=None, metavar="MS",
                    help="time-to-first-token SLO, on the router's p90 over an interval")
     g.add_argument("--itl-slo-ms", type=float, default=None, metavar="MS",
-                   help="inter-token latency SLO, on the router's p90 over an interval")
+                   help="inter-token latency SLO, on the router's mean over an interval")
     g.add_argument("--max-workers", type=int, default=8, metavar="N",
                    help="the most prefill + decode replicas the planner may run (default 8); each role keeps >= 1")
     g.add_argument("--planner-interval-s", type=float, default=5.0, metavar="S",

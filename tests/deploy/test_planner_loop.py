@@ -41,19 +41,22 @@ def test_observe_reads_the_real_series():
         router.ttft.observe(0.2)                     # (0.1, 0.25]
     router.ttft.observe(0.7)
     router.itl.observe(0.02)
+    router.itl.observe(0.006)                        # a 6 ms SLO: p90 read off buckets of 5 and 10 ms would say 9.5
     prefill[0].prompt_tokens.inc(1500)
     prefill[1].prompt_tokens.inc(500)
     prefill[1].waiting.set(2)
     decode[0].running.set(7)
     decode[0].preallocated.set(1)
     decode[0].kv_usage.set(0.4)
-    o = observe(before, _scrape(12.0, router, prefill, decode), {"prefill": 2, "decode": 1})
+    o = observe(before, _scrape(12.0, router, prefill, decode), {"prefill": 2, "decode": 1},
+                held={"prefill": 2, "decode": 2})
     assert o.prompt_tokens_per_s == 2000.0 and o.prefill_tokens_per_s == 1000.0
     assert o.prefill_busy_tokens_per_s == 250.0       # the one with a queue
     assert o.prefill_waiting == 2 and o.decode_streams == 8 and o.decode_kv_usage == 0.4
     assert o.ttft_p90_s == pytest.approx(0.25)       # the 9th of 10 is the last in (0.1, 0.25]
-    assert o.itl_p90_s == pytest.approx(0.01 + 0.015 * 0.9)
-    assert o.replicas == {"prefill": 2, "decode": 1}
+    assert o.itl_mean_s == pytest.approx(0.013)      # exact: the histogram's sum and count
+    assert o.replicas == {"prefill": 2, "decode": 1} and o.held == {"prefill": 2, "decode": 2}
+    assert observe(before, before, {"prefill": 2, "decode": 1}).itl_mean_s is None
 
 
 @pytest.mark.parametrize("dry_run", [False, True])
