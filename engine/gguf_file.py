@@ -228,7 +228,10 @@ class GGUFFile:
 
     def kernel_block_bytes(self) -> int:
         """Their bytes: what a CPU worker keeps beside its dense weights with --gguf-kernels auto
-        (``Checkpoint.quantized_weights``)."""
+        (``Checkpoint.quantized_weights``); none for a mixture-of-experts file (a router tensor
+        present), whose model attaches no blocks (``MoEForCausalLM.attach_quantized``)."""
+        if any(t.name.endswith(".ffn_gate_inp.weight") for t in self.tensors):
+            return 0
         return sum(t.data.nbytes for t in self.kernel_tensors())
 
     def dequantize(self, tensor: GGUFTensor) -> Any:

@@ -29,8 +29,12 @@ _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate",
 }
+# A mixture-of-experts layer's experts, stacked: [num_experts, rows, cols] in numpy order. Files
+# from llama.cpp before 2024 hold Mixtral's experts one by one instead, as blk.N.ffn_gate.E.weight.
+GGUF_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+_GGUF_SPLIT_EXPERT_NAMES = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
 
 
 class Checkpoint:
@@ -51,9 +55,10 @@ class Checkpoint:
     def quantized_weights(self) -> dict[str, QuantizedWeight]:
         """HF parameter name -> the GGUF blocks of every 2-D weight whose type the quantized
         linear kernel reads (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), rows in the same order as ``weights()`` yields
-        them; empty for safetensors checkpoints."""
+        them; empty for safetensors checkpoints and for mixture-of-experts models, which attach
+        none (``MoEForCausalLM.attach_quantized``)."""
         gguf = self.gguf
-        if gguf is None:
+        if gguf is None or self.arch.moe is not None:
             return {}
         found = {}
         for tensor in gguf.kernel_tensors():
@@ -104,12 +109,18 @@ def _unpermute_rope(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _iter_gguf(gguf: GGUFFile, arch: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named float32 tensors; a stacked expert tensor is dequantized whole, then yielded as
+    one HF tensor per expert (``MoEForCausalLM.load_weights`` stacks them again, with its TP slice)."""
     for tensor in gguf.tensors:
         name = _gguf_to_hf_name(gguf, tensor.name)
         if name is None:
             continue
         data = _hf_row_order(gguf, arch, name, gguf.dequantize(tensor))
-        yield name, torch.from_numpy(np.ascontiguousarray(data))
+        if "{expert}" in name:
+            for expert, rows in enumerate(torch.from_numpy(data).unbind(0)):
+                yield name.format(expert=expert), rows
+        else:
+            yield name, torch.from_numpy(np.ascontiguousarray(data))
 
 
 def _hf_row_order(gguf: GGUFFile, arch: ArchConfig, name: str, rows: np.ndarray) -> np.ndarray:
@@ -130,9 +141,16 @@ def _gguf_to_hf_name(gguf: GGUFFile, name: str) -> str | None:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     parts = name.split(".")
-    if parts[0] != "blk" or len(parts) != 4:
+    if parts[0] != "blk" or len(parts) not in (4, 5):
         return None  # rope_freqs and other non-parameter tensors
-    hf = _GGUF_LAYER_NAMES.get(parts[2])
+    layer, kind = parts[1], parts[2]
+    if len(parts) == 5:   # blk.N.ffn_gate.E.weight: one expert of a pre-2024 Mixtral file
+        if kind in _GGUF_SPLIT_EXPERT_NAMES and parts[3].isdigit():
+            return f"layers.{layer}.mlp.experts.{int(parts[3])}.{_GGUF_SPLIT_EXPERT_NAMES[kind]}.{parts[4]}"
+        return None
+    if kind in GGUF_EXPERT_NAMES:   # "{expert}" is filled in per expert by _iter_gguf
+        return f"layers.{layer}.mlp.experts.{{expert}}.{GGUF_EXPERT_NAMES[kind]}.{parts[3]}"
+    hf = _GGUF_LAYER_NAMES.get(kind)
     if hf is None:
         raise ModelFileError(gguf.path, f"tensor {name!r}", "is not part of a supported Llama-family model", "GGUF")
-    return f"layers.{parts[1]}.{hf}.{parts[3]}"
+    return f"layers.{layer}.{hf}.{parts[3]}"

@@ -126,3 +126,35 @@ def _check_gguf_sizes(path: Path, arch: ArchConfig, gguf: GGUFFile) -> None:
     if len(layers) != arch.num_layers or layers != {str(i) for i in range(arch.num_layers)}:
         raise ModelFileError(path, "metadata block_count", f"{arch.num_layers} layers, but the file "
                              f"holds tensors for {len(layers)} (blk.N.*)", "GGUF")
+    _check_gguf_experts(path, arch, shapes, str(gguf.metadata.get("general.architecture")))
+
+
+def _check_gguf_experts(path: Path, arch: ArchConfig, shapes: dict[str, tuple[int, ...]], gguf_arch: str) -> None:
+    """Every layer of a mixture-of-experts file holds its router and experts in the shapes its
+    header implies (llama.cpp's layout, numpy order); a dense header over expert tensors is
+    refused too, rather than failing later on a tensor with no place in the model."""
+    if arch.moe is None:
+        stray = next((name for name in shapes if name.endswith(".ffn_gate_inp.weight")), None)
+        if stray is not None:
+            raise ModelFileError(path, f"metadata {gguf_arch}.expert_count", f"missing or 0, but the file holds "
+                                 f"expert tensors ({stray})", "GGUF")
+        return
+    experts, hidden, width = arch.moe.num_experts, arch.hidden_size, arch.moe.intermediate_size
+    for layer in range(arch.num_layers):
+        blk = f"blk.{layer}"
+        expected: dict[str, tuple[int, ...]] = {f"{blk}.ffn_gate_inp.weight": (experts, hidden)}
+        if f"{blk}.ffn_gate.0.weight" in shapes:   # a pre-2024 Mixtral file: one tensor per expert
+            for x in range(experts):
+                expected.update({f"{blk}.ffn_gate.{x}.weight": (width, hidden),
+                                 f"{blk}.ffn_up.{x}.weight": (width, hidden),
+                                 f"{blk}.ffn_down.{x}.weight": (hidden, width)})
+        else:
+            expected.update({f"{blk}.ffn_gate_exps.weight": (experts, width, hidden),
+                             f"{blk}.ffn_up_exps.weight": (experts, width, hidden),
+                             f"{blk}.ffn_down_exps.weight": (experts, hidden, width)})
+        for name, shape in expected.items():
+            found = shapes.get(name)
+            if found != shape:
+                problem = "missing" if found is None else f"shape {found}, expected {shape}"
+                raise ModelFileError(path, f"tensor {name!r}", f"{problem} ({experts} experts of {width} "
+                                     f"features over a hidden size of {hidden}, from the header)", "GGUF")

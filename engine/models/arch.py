@@ -6,6 +6,7 @@ Runs wherever a model is loaded or planned (workers, `tandem plan`). Pure Python
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,8 +14,10 @@ from typing import Any
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                            "Qwen3ForCausalLM", *MOE_ARCHITECTURES)
+# llama.cpp's general.architecture -> ours. Mixtral is written as "llama" with an expert count.
 _GGUF_ARCHES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM",
-                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+_GGUF_MOE_ARCHES = {"llama": "MixtralForCausalLM", "mistral": "MixtralForCausalLM"}
 _ROPE_TYPES = ("default", "linear", "llama3")
 _QKV_BIAS = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
 _ALWAYS_WINDOWED = ("MistralForCausalLM", "MixtralForCausalLM")
@@ -229,8 +232,11 @@ def arch_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Arc
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     vocab = meta.get(f"{gguf_arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     eos = meta.get("tokenizer.ggml.eos_token_id")
+    architecture = _GGUF_ARCHES[gguf_arch]
+    if gguf_arch in _GGUF_MOE_ARCHES and meta.get(f"{gguf_arch}.expert_count"):
+        architecture = _GGUF_MOE_ARCHES[gguf_arch]
     return ArchConfig(
-        architecture=_GGUF_ARCHES[gguf_arch],
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -247,4 +253,21 @@ def arch_from_gguf_metadata(meta: dict[str, Any], tensor_names: set[str]) -> Arc
         rope_scaling=scaling,
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
+        moe=_moe_from_gguf(architecture, get),
     )
+
+
+def _moe_from_gguf(architecture: str, get: Callable[..., Any]) -> MoEConfig | None:
+    """The expert keys as llama.cpp reads them: every layer is sparse and the top-k weights are
+    renormalised (Mixtral's rule; llama.cpp applies it to every Qwen3-MoE, whose published
+    models all set norm_topk_prob). An expert's width is feed_forward_length for Mixtral
+    (written as "llama"), expert_feed_forward_length for Qwen3-MoE (else n_ff / top_k)."""
+    if architecture not in MOE_ARCHITECTURES:
+        return None
+    top_k = int(get("expert_used_count"))
+    if architecture == "MixtralForCausalLM":
+        width = int(get("feed_forward_length"))
+    else:
+        width = int(get("expert_feed_forward_length", int(get("feed_forward_length")) // max(top_k, 1)))
+    return MoEConfig(num_experts=int(get("expert_count")), top_k=top_k, intermediate_size=width,
+                     norm_topk_prob=True)
