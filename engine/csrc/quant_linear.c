@@ -280,10 +280,44 @@ static void transpose_x(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
     }
 }
 
-static inline void f32_row_to_bf16(const float *src, int64_t K, uint16_t *dst) {
-    for (int64_t k = 0; k < K; k += 32) {
-        __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + k + 16), _mm512_loadu_ps(src + k));
-        _mm512_storeu_si512((void *)(dst + k), (__m512i)v);
+static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
+    _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* One weight row as bfloat16: dequant_row's float32 values, rounded to nearest even. The 32-weight
+ * types go straight from registers; the K-quants through the float32 row `tmp`. */
+static void dequant_row_bf16(const uint8_t *restrict row, int64_t K, int32_t qtype, float *restrict tmp,
+                             uint16_t *restrict dst) {
+    if (qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K) {
+        dequant_row(row, K, qtype, tmp);
+        for (int64_t k = 0; k < K; k += 32) store_bf16(dst + k, _mm512_loadu_ps(tmp + k), _mm512_loadu_ps(tmp + k + 16));
+        return;
+    }
+    const __m512i low4 = _mm512_set1_epi32(0x0F);
+    const int64_t nblocks = K / QK;
+    for (int64_t b = 0; b < nblocks; b++, dst += QK) {
+        if (qtype == QTYPE_Q8_0) {
+            const uint8_t *blk = row + b * 34;
+            __m512 d = _mm512_set1_ps(half_to_f32(blk));
+            __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
+            __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
+            store_bf16(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)));
+        } else {
+            const int64_t bytes = qtype == QTYPE_Q4_1 ? 20 : 18;
+            const uint8_t *blk = row + b * bytes;
+            const uint8_t *qs = blk + (qtype == QTYPE_Q4_1 ? 4 : 2);
+            __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
+            __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(packed, low4));
+            __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4));
+            __m512 d = _mm512_set1_ps(half_to_f32(blk));
+            if (qtype == QTYPE_Q4_1) {
+                __m512 m = _mm512_set1_ps(half_to_f32(blk + 2));
+                store_bf16(dst, _mm512_fmadd_ps(d, q0, m), _mm512_fmadd_ps(d, q1, m));
+            } else {
+                __m512 eight = _mm512_set1_ps(8.0f);
+                store_bf16(dst, _mm512_mul_ps(d, _mm512_sub_ps(q0, eight)), _mm512_mul_ps(d, _mm512_sub_ps(q1, eight)));
+            }
+        }
     }
 }
 
@@ -373,8 +407,7 @@ int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
                 const int64_t n0 = t * 16;
                 const int nt = (int)(N - n0 < 16 ? N - n0 : 16);
                 for (int j = 0; j < nt; j++) {
-                    dequant_row(w + (n0 + j) * w_row_bytes, K, qtype, row);
-                    f32_row_to_bf16(row, K, wt + j * K);
+                    dequant_row_bf16(w + (n0 + j) * w_row_bytes, K, qtype, row, wt + j * K);
                 }
                 if (nt < 16) memset(wt + nt * K, 0, (size_t)((16 - nt) * K * 2));
                 for (int64_t b0 = 0; b0 < nblocks; b0 += AMX_XBLOCKS) {
