@@ -31,9 +31,9 @@ from typing import IO, Any
 
 from engine.serving.process import READY_PREFIX
 from protos.limits import ROLES
+from tandem_shm.pools import pools_of, remove_pools_of
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SHM_DIR = Path("/dev/shm")
 _PR_SET_PDEATHSIG = 1
 
 
@@ -144,13 +144,12 @@ class ServiceProcess:
         return code
 
     def shm_files(self) -> list[Path]:
-        return sorted(SHM_DIR.glob(f"tandem-kv-{self.proc.pid}-*"))
+        return pools_of(self.proc.pid)
 
     def cleanup(self) -> None:
         """Remove what a dead child could not: its /dev/shm KV pools."""
         if self.proc.poll() is not None:
-            for path in self.shm_files():
-                path.unlink(missing_ok=True)
+            remove_pools_of(self.proc.pid)
 
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns the exit code."""

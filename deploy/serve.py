@@ -35,6 +35,7 @@ from engine.sim.arch import sim_profile_of
 from protos.auth import load_secret, new_secret
 from protos.limits import ROLES
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig, add_public_api_args, public_api_flags
+from tandem_shm.pools import SHM_DIR
 
 logger = logging.getLogger(__name__)
 # WorkerConfig flags `serve` passes on to workers; the controller sets the others (host, ports).
@@ -291,7 +292,7 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
                          f"KV pool each) but this machine has "
                          f"{available / 2**30:.1f} GiB available: use fewer replicas (--prefill/--decode), "
                          f"--dtype bfloat16, {'--gguf-kernels off, ' if blocks else ''}or a smaller --kv-cache-memory")
-    shm = shutil.disk_usage("/dev/shm").free if os.path.isdir("/dev/shm") else None
+    shm = shutil.disk_usage(SHM_DIR).free if os.path.isdir(SHM_DIR) else None
     if args.shared_memory and shm is not None and num_workers * kv > shm:
         raise ServeError(f"{num_workers} KV pools of {kv / 2**30:.2f} GiB need "
                          f"{num_workers * kv / 2**30:.1f} GiB of /dev/shm, "

@@ -4,57 +4,18 @@ Runs in each worker process. Layout ``[num_layers, 2, num_blocks, block_size, nu
 head_dim]`` (index 0 of dim 1 = K, 1 = V), so one (layer, K|V, block) is a contiguous run of
 bytes that kvtransfer can copy or send as is. On CPU the pool can live in a file under
 /dev/shm mapped shared, so a prefill worker on the same host writes into it directly; that file
-gets all its memory at creation (``reserve_shm``), so a full /dev/shm fails the start, never a
-later write.
+gets all its memory at creation (tandem_shm.pools.create_pool_file), so a full /dev/shm fails
+the start, never a later write.
 """
 from __future__ import annotations
 
-import errno
-import logging
-import os
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from engine.capacity import capacity_lines  # noqa: F401 - logged at startup
-
-logger = logging.getLogger(__name__)
-
-SHM_DIR = Path("/dev/shm")
-SHM_PREFIX = "tandem-kv-"   # then "<pid>-<random>": the owner's pid, so stale pools can be found;
-#                            kvtransfer.region.POOL_NAME only opens names of this form (a test holds them together)
-
-
-def reserve_shm(fd: int, nbytes: int, directory: Path) -> None:
-    """Give a new pool file all ``nbytes`` of memory now, or raise OSError (ENOSPC). A sparse
-    file on a full tmpfs maps fine and then kills the process with SIGBUS at the first write to
-    a page it cannot back -- in the middle of serving, and in the prefill worker writing into it."""
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
-        raise OSError(errno.ENOSPC, f"{nbytes / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free in {directory}")
-    os.posix_fallocate(fd, 0, nbytes)
-
-
-def sweep_stale_pools(directory: Path = SHM_DIR) -> list[Path]:
-    """Remove pools whose owning process is gone (a worker killed with SIGKILL cannot unlink
-    its own, and each one holds its whole size in RAM). Returns what was removed."""
-    removed = []
-    for path in directory.glob(f"{SHM_PREFIX}*"):
-        pid_text = path.name[len(SHM_PREFIX):].split("-", 1)[0]
-        if not pid_text.isdigit():
-            continue
-        try:
-            os.kill(int(pid_text), 0)
-        except ProcessLookupError:
-            path.unlink(missing_ok=True)
-            removed.append(path)
-            logger.info("removed stale KV pool %s (its process %s is gone)", path, pid_text)
-        except PermissionError:
-            continue  # alive, another user's
-    return removed
+from tandem_shm.pools import SHM_DIR, create_pool_file, sweep_dead_pools
 
 
 @dataclass(frozen=True)
@@ -93,20 +54,16 @@ class KVPool:
             numel *= dim
         self.shm_path: Path | None = None
         if shared_memory and device.type == "cpu":
-            sweep_stale_pools()
-            self.shm_path = SHM_DIR / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            sweep_dead_pools()   # a SIGKILLed worker's pool still holds its whole size in RAM
             nbytes = numel * layout.dtype.itemsize
             try:
-                # 0600: the pool holds every request's KV; only this user's processes may map it.
-                fd = os.open(self.shm_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "wb"):
-                    os.fchmod(fd, 0o600)   # whatever the umask
-                    reserve_shm(fd, nbytes, SHM_DIR)
+                self.shm_path = Path(create_pool_file(nbytes))
                 storage = torch.from_file(str(self.shm_path), shared=True, size=numel, dtype=layout.dtype)
             except OSError as exc:
-                self.shm_path.unlink(missing_ok=True)
+                if self.shm_path is not None:
+                    self.shm_path.unlink(missing_ok=True)
                 raise RuntimeError(f"cannot map a {nbytes / 2**30:.2f} GiB KV pool in {SHM_DIR}: {exc}; "
-                                   "lower --kv-cache-memory or enlarge /dev/shm") from exc
+                                   f"lower --kv-cache-memory or enlarge {SHM_DIR}") from exc
             self.tensor = storage.view(shape)
         else:
             self.tensor = torch.zeros(shape, dtype=layout.dtype, device=device)

@@ -17,7 +17,7 @@ import torch
 from engine.cli_args import config_to_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.distributed import free_local_port
-from engine.kv_cache import SHM_DIR, SHM_PREFIX
+from tandem_shm.pools import remove_pools_of
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,7 @@ class LocalFollowers:
                 logger.warning("TP follower pid %d did not exit; killing it", proc.pid)
                 proc.kill()
                 proc.wait()
-            for path in SHM_DIR.glob(f"{SHM_PREFIX}{proc.pid}-*"):
-                path.unlink(missing_ok=True)
+            remove_pools_of(proc.pid)   # a follower killed here could not unlink its own
         self.procs = []
 
     def pids(self) -> list[int]:

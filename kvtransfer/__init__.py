@@ -30,7 +30,7 @@ from .fake import FakeFabric, FakeSender
 from .layout import KVLayout, LayoutMismatchError
 from .messages import MessageError, NotifyPayload
 from .receiver import Receiver, ReceiverCore, Transport
-from .region import POOL_NAME, check_pool_path, create_shm_pool, is_pool_path, map_shm_pool, pool_name, remove_shm_pool
+from .region import check_pool_path, create_shm_pool, is_pool_path, map_shm_pool, remove_shm_pool
 from .sender import Sender, SenderClosed, TransferCancelled, Writer, ZmqSender
 from .server import CurveKeys, ZmqServer
 from .tracker import TransferResult, TransferStatus
@@ -38,10 +38,10 @@ from .tracker import TransferResult, TransferStatus
 BACKENDS = ("auto", *TRANSPORTS)   # auto: shm or cuda-ipc on the same host, else tcp (never nixl)
 
 __all__ = [
-    "BACKENDS", "POOL_NAME", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
+    "BACKENDS", "CurveKeys", "CudaIpcHandle", "FakeFabric", "KVLayout", "LayoutMismatchError",
     "MessageError", "NotifyPayload", "Receiver", "RegionDescriptor", "Sender", "SenderClosed",
     "TransferCancelled", "TransferResult", "TransferStatus", "check_pool_path", "create_receiver",
-    "create_sender", "create_shm_pool", "join_descriptors", "map_shm_pool", "pool_name", "remove_shm_pool",
+    "create_sender", "create_shm_pool", "join_descriptors", "map_shm_pool", "remove_shm_pool",
     "select_backend", "split_descriptors",
 ]
 

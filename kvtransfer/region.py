@@ -6,33 +6,20 @@ for tests and benchmarks and map a receiver's pool from its descriptor.
 
 A descriptor's ``shm_path`` comes from another process, so it is never opened as given: only a
 regular file directly in the pool directory, named by ``POOL_NAME``, owned by this user and
-private (0600) is mapped (``check_pool_path``). engine/kv_cache.py, which may not import
-kvtransfer, names its pools with its own ``SHM_PREFIX``; tests/kvtransfer/test_shm_pools.py
-checks that the names it makes match ``POOL_NAME``.
-A new pool gets all its memory when it is created (a free-space check, then posix_fallocate),
-so a full or small /dev/shm is an error then, never a SIGBUS at a later write.
+private (0600) is mapped (``check_pool_path``). The directory, the names and how a pool file is
+made (all its memory at creation, so a full /dev/shm is an error then, never a SIGBUS at a later
+write) are tandem_shm/pools.py's, shared with engine/kv_cache.py.
 """
 from __future__ import annotations
 
-import errno
 import os
-import re
 import stat
-import uuid
 
 import torch
 
+from tandem_shm.pools import POOL_NAME, POOL_PREFIX, SHM_DIR, create_pool_file
+
 from .layout import KVLayout
-
-SHM_DIR = "/dev/shm"
-POOL_PREFIX = "tandem-kv-"
-# "<prefix><owner pid>-<12 hex digits>": the pid lets a sweep find pools of dead processes.
-POOL_NAME = re.compile(re.escape(POOL_PREFIX) + r"[0-9]{1,10}-[0-9a-f]{12}")
-
-
-def pool_name(pid: int | None = None) -> str:
-    """A fresh pool file name for process ``pid`` (default: this one)."""
-    return f"{POOL_PREFIX}{os.getpid() if pid is None else pid}-{uuid.uuid4().hex[:12]}"
 
 
 def check_pool_path(path: str, directory: str = SHM_DIR) -> str:
@@ -68,31 +55,12 @@ def create_shm_pool(layout: KVLayout, num_blocks: int, directory: str = SHM_DIR,
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    name = name or pool_name()
-    if not POOL_NAME.fullmatch(name):
-        raise ValueError(f"pool name {name!r} does not match {POOL_NAME.pattern}: use pool_name()")
-    path = os.path.join(directory, name)
     nbytes = layout.pool_nbytes(num_blocks)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.fchmod(fd, 0o600)   # whatever the umask
-        _reserve(fd, nbytes, directory)
+        path = create_pool_file(nbytes, directory, name)
     except OSError as exc:
-        os.unlink(path)
         raise ValueError(f"cannot create a {nbytes} byte KV pool in {directory}: {exc}") from exc
-    finally:
-        os.close(fd)
     return map_shm_pool(layout, num_blocks, path, directory), path
-
-
-def _reserve(fd: int, nbytes: int, directory: str) -> None:
-    """Back every byte of a new pool file with memory now, or raise OSError: a sparse file on a
-    full tmpfs maps fine and then SIGBUSes whoever first writes a page it cannot back."""
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if nbytes > free:
-        raise OSError(errno.ENOSPC, f"{nbytes} bytes needed, {free} free")
-    os.posix_fallocate(fd, 0, nbytes)
 
 
 def map_shm_pool(layout: KVLayout, num_blocks: int, path: str, directory: str = SHM_DIR) -> torch.Tensor:

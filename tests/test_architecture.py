@@ -7,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy", "tandem_client")
+PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy", "tandem_client",
+            "tandem_shm")
 # torch-free (the last test below)
 ROUTER_MAY_USE = ("engine.tokenizer", "engine.config", "engine.serving.fingerprint")
 # package -> top-level modules it must never import
@@ -17,12 +20,18 @@ BANNED = {
     "kvtransfer": {"engine", "router", "prefill_worker", "decode_worker", "deploy", "tandem_client"},
     "prefill_worker": {"decode_worker", "router", "deploy", "tandem_client"},
     "decode_worker": {"prefill_worker", "router", "deploy", "tandem_client"},
-    "router": {"prefill_worker", "decode_worker", "torch", "triton", "deploy", "tandem_client"},
-    "protos": {"engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "deploy", "torch", "tandem_client"},
+    "router": {"prefill_worker", "decode_worker", "torch", "triton", "deploy", "tandem_client", "tandem_shm"},
+    "protos": {"engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "deploy", "torch", "tandem_client",
+               "tandem_shm"},
 }
-# The client SDK runs in the user's process: of what is not the standard library it imports
-# grpc and protos only (and itself), so installing Tandem's server side is never its price.
-SDK_MAY_USE = {"tandem_client", "protos", "grpc", "google"}
+# Packages that may import, beyond the standard library and themselves, only these.
+# The client SDK runs in the user's process: grpc and protos only, so installing Tandem's server
+# side is never its price. The shared-memory pools are a leaf below engine and kvtransfer, which
+# may not import each other: nothing else.
+MAY_USE_ONLY = {
+    "tandem_client": {"tandem_client", "protos", "grpc", "google"},
+    "tandem_shm": {"tandem_shm"},
+}
 # Where code that imports Tandem lives outside the product packages (the SDK moved out of the router).
 CLIENT_CODE = ("tests", "benchmarks", "scripts")
 PICKLE = re.compile(r"\b(pickle|cPickle|cloudpickle|dill)\b|recv_pyobj|send_pyobj")
@@ -52,16 +61,17 @@ def test_imports_point_one_way():
     assert not wrong, "imports against docs/architecture.md#packages-and-import-direction:\n" + "\n".join(wrong)
 
 
-def _sdk_import_problems(path: Path) -> list[str]:
-    """What ``path`` (a module of the SDK) imports beyond the standard library, grpc and protos."""
+def _import_problems(path: Path, may_use: set[str]) -> list[str]:
+    """What ``path`` imports beyond the standard library and ``may_use`` (top-level names)."""
     return [f"{lineno} imports {module}" for lineno, module in _imports(path)
-            if module.split(".")[0] not in SDK_MAY_USE | set(sys.stdlib_module_names)]
+            if module.split(".")[0] not in may_use | set(sys.stdlib_module_names)]
 
 
-def test_sdk_imports_grpc_and_protos_only():
-    wrong = [f"{path.relative_to(ROOT)}:{problem}" for path in (ROOT / "tandem_client").rglob("*.py")
-             for problem in _sdk_import_problems(path)]
-    assert not wrong, "the SDK imports more than grpcio and protos:\n" + "\n".join(wrong)
+@pytest.mark.parametrize("package", sorted(MAY_USE_ONLY))
+def test_leaf_packages_import_only_what_they_may(package):
+    wrong = [f"{path.relative_to(ROOT)}:{problem}" for path in (ROOT / package).rglob("*.py")
+             for problem in _import_problems(path, MAY_USE_ONLY[package])]
+    assert not wrong, f"{package} may import only {sorted(MAY_USE_ONLY[package])}:\n" + "\n".join(wrong)
 
 
 def _imports_of(path: Path, module: str) -> list[int]:
@@ -85,7 +95,9 @@ def test_import_checker_catches_a_wrong_arrow(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import router.client\nfrom decode_worker import x\nimport os, grpc\nfrom protos import limits\n")
     assert [m for _, m in _imports(bad)] == ["router.client", "decode_worker", "os", "grpc", "protos"]
-    assert _sdk_import_problems(bad) == ["1 imports router.client", "2 imports decode_worker"]
+    wrong_arrows = ["1 imports router.client", "2 imports decode_worker"]
+    assert _import_problems(bad, MAY_USE_ONLY["tandem_client"]) == wrong_arrows
+    assert _import_problems(bad, MAY_USE_ONLY["tandem_shm"]) == [*wrong_arrows, "3 imports grpc", "4 imports protos"]
     bad.write_text("from router import client\nfrom router.client import TandemClient\nimport router.clientele\n")
     assert sorted(_imports_of(bad, "router.client")) == [1, 2]
 

@@ -20,7 +20,8 @@ from kvtransfer.messages import MAX_REQUEST_ID_LEN
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, MAX_REQUEST_ID_CHARS
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy")
+PRODUCT = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy", "tandem_client",
+           "tandem_shm")
 # name -> the one module that defines it
 DEFINED_IN = {
     "ROLES": "protos/limits.py",
@@ -34,6 +35,9 @@ DEFINED_IN = {
     "TRANSPORTS": "kvtransfer/descriptor.py",
     "KV_BACKENDS": "engine/serving/config.py",
     "MAX_REQUEST_ID_LEN": "kvtransfer/messages.py",
+    "SHM_DIR": "tandem_shm/pools.py",
+    "POOL_PREFIX": "tandem_shm/pools.py",
+    "POOL_NAME": "tandem_shm/pools.py",
 }
 # The same name for another fact: tandem bench's client backends (openai, grpc).
 OTHER_FACTS = {("BACKENDS", "deploy/bench/config.py")}
@@ -96,6 +100,36 @@ def test_ceiling_division_is_cdiv():
               for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
               if re.search(r"-\(-.*//", line)]
     assert copies == [], "use engine.math_utils.cdiv:\n" + "\n".join(copies)
+
+
+def _string_literals(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, text) of every str literal but docstrings, f-strings' literal parts included."""
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def _pool_copies(tree: ast.AST) -> list[int]:
+    """Lines with the pool directory as a path or the pool name prefix written out (prose that
+    names /dev/shm in a message or help text is not a copy)."""
+    from tandem_shm.pools import POOL_PREFIX, SHM_DIR
+
+    return sorted(line for line, text in _string_literals(tree)
+                  if text.rstrip("/") == SHM_DIR or text.startswith(SHM_DIR + "/") or POOL_PREFIX in text)
+
+
+def test_the_pool_directory_and_name_prefix_are_written_once():
+    """Engine, kvtransfer and the launchers find and make pools through tandem_shm.pools (SHM_DIR,
+    POOL_PREFIX, pools_of, ...): a literal copy elsewhere, under any name, is caught."""
+    copies = [f"{path.relative_to(ROOT)}:{line}" for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+              if path.relative_to(ROOT).as_posix() != "tandem_shm/pools.py"
+              for line in _pool_copies(ast.parse(path.read_text(encoding="utf-8")))]
+    assert copies == [], "use tandem_shm.pools:\n" + "\n".join(copies)
+    planted = ast.parse('"""Pools live in /dev/shm as tandem-kv-<pid>-<hex>."""\nSHM = "/dev/shm"\n'
+                        'PREFIX = "tandem-kv-"\nglob(f"/dev/shm/x-{pid}")\nraise E(f"enlarge /dev/shm {n}")\n')
+    assert _pool_copies(planted) == [2, 3, 4]
 
 
 def test_copies_across_the_import_ban_agree():

@@ -8,7 +8,8 @@ import os
 import pytest
 import torch
 
-from engine.kv_cache import SHM_DIR, SHM_PREFIX, KVPool, KVPoolShape
+from engine.kv_cache import KVPool, KVPoolShape
+from tandem_shm.pools import SHM_DIR, pools_of
 
 
 def layout() -> KVPoolShape:
@@ -16,7 +17,7 @@ def layout() -> KVPoolShape:
 
 
 def pool_files() -> set[str]:
-    return {p.name for p in SHM_DIR.glob(f"{SHM_PREFIX}{os.getpid()}-*")}
+    return {p.name for p in pools_of(os.getpid())}
 
 
 def test_a_pool_larger_than_free_dev_shm_is_a_clean_error_at_start():

@@ -12,17 +12,15 @@ import torch
 from engine.kv_cache import KVPool
 from engine.kv_cache import KVPoolShape as EngineLayout
 from kvtransfer import (
-    POOL_NAME,
     KVLayout,
     RegionDescriptor,
     create_receiver,
     create_sender,
     create_shm_pool,
     map_shm_pool,
-    pool_name,
     remove_shm_pool,
 )
-from kvtransfer.region import SHM_DIR
+from tandem_shm.pools import POOL_NAME, SHM_DIR, pool_name
 
 LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32")
 

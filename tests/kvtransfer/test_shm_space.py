@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kvtransfer
-from kvtransfer.region import POOL_PREFIX, SHM_DIR
+from tandem_shm.pools import POOL_PREFIX, SHM_DIR
 
 LAYOUT = kvtransfer.KVLayout.from_dtype(torch.float32, block_size=16, num_layers=2, num_kv_heads=2, head_dim=16)
 
