@@ -24,7 +24,6 @@ would.
 """
 from __future__ import annotations
 
-import collections
 import enum
 import logging
 import time
@@ -70,12 +69,14 @@ def deliver_in_place(batch: EventBatch) -> None:
 
 
 class DecodeState(enum.Enum):
-    """Where a request is on this worker: waiting for room, its KV arriving, or decoding."""
+    """Where a request is on this worker (``DecodeJob.state``; ``DecodeLoop`` opens with the life
+    cycle). Only ``DecodeLoop._move`` changes it, and the loop's per-stage indexes with it."""
 
     PREALLOCATING = "preallocating"   # waiting in the pre-allocation queue for blocks
-    PREFILLING = "prefilling"         # local prefill: the engine computes its prompt here
     TRANSFERRING = "transferring"     # blocks reserved, the prefill worker is writing them
-    RUNNING = "running"               # in the engine's running batch
+    PREFILLING = "prefilling"         # local prefill: the engine computes its prompt here
+    RUNNING = "running"               # in the engine's running batch, streaming tokens
+    RELEASING = "releasing"           # ended mid-transfer: its blocks are freed once no writer can touch them
 
 
 @dataclass
@@ -96,6 +97,17 @@ class DecodeJob:
 
 
 class DecodeLoop(EngineLoop):
+    """A request's life here, one ``DecodeJob.state`` (``_move`` is the only writer):
+
+        PREALLOCATING --_admit--> TRANSFERRING --_poll_transfers--> RUNNING --finish--> (gone)
+        PREFILLING (local prefill) --first token--> RUNNING
+        TRANSFERRING --abort / transfer failed--> RELEASING --no writer left--> (gone)
+
+    Any other stage ends at once on an abort or a failure. ``jobs`` holds every request in a
+    stage, including RELEASING ones (their id cannot be reused until then); the per-stage views
+    (``prealloc`` in arrival order, ``transferring``, ``releasing``) are indexes of that field,
+    kept by ``_move`` alone."""
+
     def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
                  receiver: kvtransfer.Receiver,
                  send_destination: Callable[[DecodeJob, bytes], None], descriptor: bytes | None = None) -> None:
@@ -110,9 +122,7 @@ class DecodeLoop(EngineLoop):
         self.descriptor = descriptor if descriptor is not None else receiver.descriptor.to_bytes()
         self.send_destination = send_destination   # schedules Prefill.SetDestination off-thread
         self.jobs: dict[str, DecodeJob] = {}
-        self.prealloc: collections.deque[str] = collections.deque()
-        self.transferring: dict[str, DecodeJob] = {}
-        self.cancelled: dict[str, list[int]] = {}  # transfers cancelled mid-flight: blocks to free
+        self._stages: dict[DecodeState, dict[str, DecodeJob]] = {state: {} for state in DecodeState}
         self._gen_tokens_logged = 0
         self._last_log_s = time.monotonic()
         self._retractions_seen = 0
@@ -124,36 +134,64 @@ class DecodeLoop(EngineLoop):
         metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
         metrics.read_receiver(receiver.stats)
 
+    # -- the life cycle: the one place a request's stage changes ------------------------------
+    @property
+    def prealloc(self) -> dict[str, DecodeJob]:
+        """Waiting for blocks, in arrival order."""
+        return self._stages[DecodeState.PREALLOCATING]
+
+    @property
+    def transferring(self) -> dict[str, DecodeJob]:
+        return self._stages[DecodeState.TRANSFERRING]
+
+    @property
+    def releasing(self) -> dict[str, DecodeJob]:
+        return self._stages[DecodeState.RELEASING]
+
+    def _move(self, job: DecodeJob, state: DecodeState | None) -> None:
+        """Put ``job`` in ``state`` (None: it is gone from this worker)."""
+        if job.request_id in self.jobs:
+            del self._stages[job.state][job.request_id]
+        if state is None:
+            self.jobs.pop(job.request_id, None)
+            return
+        job.state = state
+        self.jobs[job.request_id] = job
+        self._stages[state][job.request_id] = job
+
+    def _live(self, request_id: str) -> DecodeJob | None:
+        """The request's job unless it is gone or only RELEASING (its stream has ended)."""
+        job = self.jobs.get(request_id)
+        return None if job is None or job.state == DecodeState.RELEASING else job
+
     # -- commands (engine thread) ----------------------------------------------------------
     def add(self, job: DecodeJob) -> None:
-        if job.request_id in self.jobs:
-            raise KeyError(f"request_id={job.request_id!r} is already running here")
-        if job.request_id in self.cancelled:  # the receiver still tracks its old transfer
+        known = self.jobs.get(job.request_id)
+        if known is not None and known.state == DecodeState.RELEASING:  # the receiver still tracks its transfer
             raise KeyError(f"request_id={job.request_id!r} is still being cleaned up here; use a new one")
+        if known is not None:
+            raise KeyError(f"request_id={job.request_id!r} is already running here")
         if not job.prefill_address:
             job.num_cached_tokens = self.engine.num_cached_prefix_tokens(job.prompt_token_ids, job.params.cache_salt)
             self.engine.add_request(job.request_id, job.prompt_token_ids, job.params)
-            job.state = DecodeState.PREFILLING
             self.metrics.local_prefills.inc()
-            self.jobs[job.request_id] = job
+            self._move(job, DecodeState.PREFILLING)
             return
-        self.jobs[job.request_id] = job
-        self.prealloc.append(job.request_id)
+        self._move(job, DecodeState.PREALLOCATING)
 
     def abort(self, request_id: str, event: StreamEvent | None = None) -> bool:
         """Stop a request at any stage and free its blocks (at once, or for a transfer in
         flight as soon as no writer can touch them); its stream gets ``event``."""
-        job = self.jobs.pop(request_id, None)
+        job = self._live(request_id)
         if job is None:
             return False
-        if job.state == DecodeState.PREALLOCATING:
-            self.prealloc.remove(request_id)
-        elif job.state == DecodeState.TRANSFERRING:
-            del self.transferring[request_id]
+        if job.state == DecodeState.TRANSFERRING:
             self.ranks.run([Cancel(request_id, "aborted at the decode worker")])
-            self.cancelled[request_id] = job.block_ids  # freed once no writer can touch them
+            self._move(job, DecodeState.RELEASING)
         else:
-            self.engine.abort_request(request_id)
+            if job.state in (DecodeState.PREFILLING, DecodeState.RUNNING):
+                self.engine.abort_request(request_id)
+            self._move(job, None)
         event = event or StreamEvent(finish_reason="abort", num_prompt_tokens=len(job.prompt_token_ids),
                                      num_output_tokens=job.num_output_tokens)
         self._outbox.append((job.sink, event))
@@ -163,7 +201,7 @@ class DecodeLoop(EngineLoop):
         """Point a request that still waits for its KV at another prefill worker (the first one
         died); the reservation stays, the old writer is fenced. False when the request is
         unknown, already decoding or its transfer already ended."""
-        job = self.jobs.get(request_id)
+        job = self._live(request_id)
         if job is None or job.state in (DecodeState.RUNNING, DecodeState.PREFILLING):
             return False
         if job.state == DecodeState.TRANSFERRING:
@@ -203,14 +241,13 @@ class DecodeLoop(EngineLoop):
         return busy
 
     def idle_wait_s(self) -> float:
-        return 0.002 if self.transferring or self.cancelled else 0.05
+        return 0.002 if self.transferring or self.releasing else 0.05
 
     def _admit(self) -> None:
         block_size = self.engine.block_size
         pending_future = sum(j.params.max_tokens for j in self.transferring.values())
         admitted: list[DecodeJob] = []
-        while self.prealloc:
-            job = self.jobs[self.prealloc[0]]
+        for job in list(self.prealloc.values()):
             # Room for the prompt and the first token (unless the prompt already fills
             # max_model_len: then the first token ends the request and is never cached).
             num_tokens = min(len(job.prompt_token_ids) + 1, self.engine.max_model_len)
@@ -218,13 +255,11 @@ class DecodeLoop(EngineLoop):
                                                    transfers_pending=bool(self.transferring))
             if block_ids is None:
                 break  # wait for room
-            self.prealloc.popleft()
             job.block_ids = block_ids
             # The first token's K/V is computed here, so only the prompt's blocks are written.
             job.transfer_block_ids = job.block_ids[:cdiv(len(job.prompt_token_ids), block_size)]
-            job.state = DecodeState.TRANSFERRING
             job.reserved_s = time.monotonic()
-            self.transferring[job.request_id] = job
+            self._move(job, DecodeState.TRANSFERRING)
             pending_future += job.params.max_tokens
             admitted.append(job)
         if not admitted:
@@ -238,27 +273,27 @@ class DecodeLoop(EngineLoop):
             self.send_destination(job, self.descriptor)
 
     def _poll_transfers(self) -> None:
-        request_ids = [*self.transferring, *self.cancelled]
-        if not request_ids:
+        jobs = [*self.transferring.values(), *self.releasing.values()]
+        if not jobs:
             return
-        codes = self.ranks.run([Poll(request_ids)], reply=True)  # min over ranks
-        for i, request_id in enumerate(request_ids):
+        codes = self.ranks.run([Poll([job.request_id for job in jobs])], reply=True)  # min over ranks
+        for i, job in enumerate(jobs):
+            request_id = job.request_id
             all_done, all_freeable, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
-            job = self.transferring.get(request_id)
-            if job is None:   # cancelled: free once no rank's writer can touch the blocks
+            if job.state == DecodeState.RELEASING:   # free once no rank's writer can touch the blocks
                 if all_freeable:
                     self.ranks.run([Release(request_id)])
-                    self.engine.free_blocks(self.cancelled.pop(request_id))
+                    self.engine.free_blocks(job.block_ids)
+                    self._move(job, None)
             elif all_done:
                 payload = self.receiver.result(request_id).payload   # rank 0's notify
                 self.ranks.run([Release(request_id)])
-                del self.transferring[request_id]
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.reserved_s)
                 problem = self._check_payload(payload)
                 if problem is None:
                     self._start_decoding(job, payload)
                 else:   # the KV landed, but nothing may be decoded from it: fail this request only
-                    self.jobs.pop(request_id, None)
+                    self._move(job, None)
                     self.engine.free_blocks(job.block_ids)
                     logger.warning("bad notify from the prefill worker request_id=%s: %s", request_id, problem)
                     self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker sent {problem}")))
@@ -267,9 +302,7 @@ class DecodeLoop(EngineLoop):
                 result = self.receiver.result(request_id)
                 reason = result.reason if result.status.terminal else "KV transfer failed on another TP rank"
                 self.ranks.run([Cancel(request_id, reason)])
-                del self.transferring[request_id]
-                self.cancelled[request_id] = job.block_ids
-                self.jobs.pop(request_id, None)
+                self._move(job, DecodeState.RELEASING)
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer failed request_id=%s: %s", request_id, reason)
                 error = StreamEvent(error=f"KV transfer from the prefill worker failed: {reason}", transient=True)
@@ -295,12 +328,11 @@ class DecodeLoop(EngineLoop):
             seq = self.engine.add_prefilled(job.request_id, job.prompt_token_ids, job.params, job.block_ids,
                                             payload.first_token_id, first_logprobs)
         except ValueError as exc:   # the first token does not follow the request's grammar
-            self.jobs.pop(job.request_id, None)
+            self._move(job, None)
             self.engine.free_blocks(job.block_ids)
             logger.warning("cannot start decoding request_id=%s: %s", job.request_id, exc)
             self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker's first token: {exc}")))
             return
-        job.state = DecodeState.RUNNING
         job.num_cached_tokens = payload.num_cached_tokens
         now = time.monotonic()
         out = StepOutput(job.request_id, [payload.first_token_id],
@@ -309,19 +341,19 @@ class DecodeLoop(EngineLoop):
         self._emit(out, now)
 
     def _emit(self, out: StepOutput, now: float) -> None:
-        job = self.jobs.get(out.request_id)
+        job = self._live(out.request_id)
         if job is None:
             return
         job.num_output_tokens += len(out.new_token_ids)
-        if job.last_token_s is None:
+        if job.last_token_s is None:   # its first token: after its KV landed, or its local prefill
             self.metrics.ttft.observe(now - job.arrival_s)
-            job.state = DecodeState.RUNNING   # a local prefill's first token
+            self._move(job, DecodeState.RUNNING)
         else:
             self.metrics.itl.observe(now - job.last_token_s)
         job.last_token_s = now
         event = StreamEvent(out.new_token_ids, out.new_logprobs)
         if out.finished:
-            del self.jobs[out.request_id]
+            self._move(job, None)
             event.finish_reason = out.finish_reason
             event.num_prompt_tokens = len(job.prompt_token_ids)
             event.num_output_tokens = job.num_output_tokens

@@ -220,7 +220,7 @@ def test_pd_twin_a_destination_that_comes_after_its_abort_is_cancelled_at_once(p
     assert aborted == [False]
     assert "cancelled by sender: aborted at the prefill worker" in event.error, event
     deadline = time.monotonic() + 10
-    while decode.engine.stats().kv_blocks_used or decode.cancelled:
+    while decode.engine.stats().kv_blocks_used or decode.releasing:
         assert time.monotonic() < deadline, "the decode worker's blocks were not freed"
         time.sleep(0.01)
     assert "late" not in prefill.early and not decode.jobs
@@ -243,3 +243,60 @@ def test_a_resumed_request_continues_as_its_first_attempt(pair, make_llm, tiny_m
     assert ref[:num_resumed] + colocated == ref
     prefill, decode = pair(chunked_prefill_size=16)
     assert ref[:num_resumed] + _run(prefill, decode, [resumed_prompt], [resumed])[0] == ref
+
+
+def test_pd_twin_a_decode_request_has_one_stage_and_the_indexes_follow_it(pair):
+    """DecodeJob.state is the request's stage on the decode worker, and the loop's per-stage
+    indexes agree with it: reserved and waiting for KV (TRANSFERRING), aborted in flight
+    (RELEASING: its stream ended, its id not reusable until its blocks are freed); a shipped
+    request RUNNING once its first token is out, gone once aborted."""
+    from decode_worker.worker import DecodeState
+
+    prefill, decode = pair()
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    prompt = [100 + j for j in range(9)]
+    seen: queue.SimpleQueue = queue.SimpleQueue()
+
+    def stage(rid: str) -> None:   # on the engine thread, between steps
+        job = decode.jobs.get(rid)
+        seen.put((job.state if job else None, rid in decode.prealloc, rid in decode.transferring,
+                  rid in decode.releasing))
+
+    def on_engine_thread(fn) -> object:
+        decode.call(lambda: seen.put(fn()))
+        return seen.get(timeout=10)
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    decode.call(lambda: decode.add(DecodeJob("stages", prompt, params, "dead-prefill:1", events.put)))
+    deadline = time.monotonic() + 30
+    while "stages" not in decode.transferring:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    decode.call(lambda: stage("stages"))
+    assert seen.get(timeout=10) == (DecodeState.TRANSFERRING, False, True, False)
+    decode.call(lambda: (decode.abort("stages"), stage("stages")))
+    assert seen.get(timeout=10) == (DecodeState.RELEASING, False, False, True)
+    assert events.get(timeout=10).finish_reason == "abort"
+    assert on_engine_thread(lambda: decode.abort("stages")) is False      # its stream already ended
+
+    def add(job: DecodeJob) -> str:
+        try:
+            decode.add(job)
+        except KeyError as exc:
+            return str(exc)
+        return "added"
+    # Its blocks wait for the transfer's lease (no writer ever came); until then the id is taken.
+    assert "is still being cleaned up here" in on_engine_thread(
+        lambda: add(DecodeJob("stages", prompt, params, "in-process", events.put)))
+
+    decode.call(lambda: decode.add(DecodeJob("stages-2", prompt, params, "in-process", events.put)))
+    prefill.call(lambda: prefill.submit(PrefillJob("stages-2", prompt, params, "in-process")))
+    assert events.get(timeout=30).token_ids
+    decode.call(lambda: stage("stages-2"))
+    assert seen.get(timeout=10) == (DecodeState.RUNNING, False, False, False)
+    assert on_engine_thread(lambda: decode.abort("stages-2")) is True
+    decode.call(lambda: stage("stages-2"))
+    assert seen.get(timeout=10) == (None, False, False, False)
+    while decode.engine.stats().kv_blocks_used:
+        assert time.monotonic() < deadline + 30
+        time.sleep(0.01)
