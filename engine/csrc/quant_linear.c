@@ -72,6 +72,17 @@ static int64_t block_weights(int32_t qtype) {
     return qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K ? QK_K : QK;
 }
 
+/* OK, or why these sizes cannot be a product of x and `qtype` rows: what the C side trusts. */
+static int check_shape(int64_t x_stride, int64_t M, int64_t K, int64_t w_row_bytes, int64_t N, int32_t qtype,
+                       int64_t out_stride) {
+    const int64_t bb = block_bytes(qtype);
+    if (bb == 0) return ERR_BAD_QTYPE;
+    const int64_t bw = block_weights(qtype);
+    if (M < 0 || N < 0 || K <= 0 || K % bw != 0 || w_row_bytes != K / bw * bb || x_stride < K || out_stride < N)
+        return ERR_BAD_SHAPE;
+    return OK;
+}
+
 #if HAVE_AVX512
 
 static inline float half_to_f32(const uint8_t *p) {
@@ -129,6 +140,34 @@ static void dequant_q6_k(const uint8_t *restrict blk, float *restrict dst) {
 }
 
 /* One row of K weights into float32. */
+/* Block b of a Q4_0 / Q4_1 / Q8_0 row: its 32 weights in two float32 vectors. */
+static inline __attribute__((always_inline)) void dequant_block32(const uint8_t *restrict row, int64_t b,
+                                                                  int32_t qtype, __m512 *lo, __m512 *hi) {
+    if (qtype == QTYPE_Q8_0) {
+        const uint8_t *blk = row + b * 34;
+        __m512 d = _mm512_set1_ps(half_to_f32(blk));
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)))));
+        return;
+    }
+    /* Q4: byte j holds weight j in its low nibble and weight j + 16 in its high one. */
+    const int64_t bytes = qtype == QTYPE_Q4_1 ? 20 : 18;
+    const uint8_t *blk = row + b * bytes;
+    __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (qtype == QTYPE_Q4_1 ? 4 : 2))));
+    __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(packed, _mm512_set1_epi32(0x0F)));
+    __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4));
+    __m512 d = _mm512_set1_ps(half_to_f32(blk));
+    if (qtype == QTYPE_Q4_1) {
+        __m512 m = _mm512_set1_ps(half_to_f32(blk + 2));
+        *lo = _mm512_fmadd_ps(d, q0, m);   /* d * q exact: fma == mul + add */
+        *hi = _mm512_fmadd_ps(d, q1, m);
+    } else {
+        __m512 eight = _mm512_set1_ps(8.0f);
+        *lo = _mm512_mul_ps(d, _mm512_sub_ps(q0, eight));
+        *hi = _mm512_mul_ps(d, _mm512_sub_ps(q1, eight));
+    }
+}
+
 static void dequant_row(const uint8_t *restrict row, int64_t K, int32_t qtype, float *restrict dst) {
     if (qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K) {
         const int64_t bytes = block_bytes(qtype);
@@ -136,35 +175,11 @@ static void dequant_row(const uint8_t *restrict row, int64_t K, int32_t qtype, f
             (qtype == QTYPE_Q4_K ? dequant_q4_k : dequant_q6_k)(row + b * bytes, dst);
         return;
     }
-    const __m512i low4 = _mm512_set1_epi32(0x0F);
-    const int64_t nblocks = K / QK;
-    for (int64_t b = 0; b < nblocks; b++, dst += QK) {
-        if (qtype == QTYPE_Q8_0) {
-            const uint8_t *blk = row + b * 34;
-            __m512 d = _mm512_set1_ps(half_to_f32(blk));
-            __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
-            __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
-            _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)));
-            _mm512_storeu_ps(dst + 16, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)));
-        } else {
-            /* Q4: byte j holds weight j in its low nibble and weight j + 16 in its high one. */
-            const int64_t bytes = qtype == QTYPE_Q4_1 ? 20 : 18;
-            const uint8_t *blk = row + b * bytes;
-            const uint8_t *qs = blk + (qtype == QTYPE_Q4_1 ? 4 : 2);
-            __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-            __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(packed, low4));
-            __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4));
-            __m512 d = _mm512_set1_ps(half_to_f32(blk));
-            if (qtype == QTYPE_Q4_1) {
-                __m512 m = _mm512_set1_ps(half_to_f32(blk + 2));
-                _mm512_storeu_ps(dst, _mm512_fmadd_ps(d, q0, m));   /* d * q exact: fma == mul + add */
-                _mm512_storeu_ps(dst + 16, _mm512_fmadd_ps(d, q1, m));
-            } else {
-                __m512 eight = _mm512_set1_ps(8.0f);
-                _mm512_storeu_ps(dst, _mm512_mul_ps(d, _mm512_sub_ps(q0, eight)));
-                _mm512_storeu_ps(dst + 16, _mm512_mul_ps(d, _mm512_sub_ps(q1, eight)));
-            }
-        }
+    for (int64_t b = 0; b < K / QK; b++, dst += QK) {
+        __m512 lo, hi;
+        dequant_block32(row, b, qtype, &lo, &hi);
+        _mm512_storeu_ps(dst, lo);
+        _mm512_storeu_ps(dst + 16, hi);
     }
 }
 
@@ -207,11 +222,8 @@ static void tile_rows(const float *x, int64_t x_stride, int mb, const float *w, 
 int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
                    const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
                    float *out, int64_t out_stride, int32_t nthreads) {
-    const int64_t bb = block_bytes(qtype);
-    if (bb == 0) return ERR_BAD_QTYPE;
-    const int64_t bw = block_weights(qtype);
-    if (M < 0 || N < 0 || K <= 0 || K % bw != 0 || w_row_bytes != K / bw * bb || x_stride < K || out_stride < N)
-        return ERR_BAD_SHAPE;
+    const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
+    if (status != OK) return status;
 #if !HAVE_AVX512
     (void)x; (void)w; (void)out; (void)nthreads;
     return ERR_UNSUPPORTED;
@@ -293,31 +305,10 @@ static void dequant_row_bf16(const uint8_t *restrict row, int64_t K, int32_t qty
         for (int64_t k = 0; k < K; k += 32) store_bf16(dst + k, _mm512_loadu_ps(tmp + k), _mm512_loadu_ps(tmp + k + 16));
         return;
     }
-    const __m512i low4 = _mm512_set1_epi32(0x0F);
-    const int64_t nblocks = K / QK;
-    for (int64_t b = 0; b < nblocks; b++, dst += QK) {
-        if (qtype == QTYPE_Q8_0) {
-            const uint8_t *blk = row + b * 34;
-            __m512 d = _mm512_set1_ps(half_to_f32(blk));
-            __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2)));
-            __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18)));
-            store_bf16(dst, _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0)), _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1)));
-        } else {
-            const int64_t bytes = qtype == QTYPE_Q4_1 ? 20 : 18;
-            const uint8_t *blk = row + b * bytes;
-            const uint8_t *qs = blk + (qtype == QTYPE_Q4_1 ? 4 : 2);
-            __m512i packed = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)qs));
-            __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(packed, low4));
-            __m512 q1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(packed, 4));
-            __m512 d = _mm512_set1_ps(half_to_f32(blk));
-            if (qtype == QTYPE_Q4_1) {
-                __m512 m = _mm512_set1_ps(half_to_f32(blk + 2));
-                store_bf16(dst, _mm512_fmadd_ps(d, q0, m), _mm512_fmadd_ps(d, q1, m));
-            } else {
-                __m512 eight = _mm512_set1_ps(8.0f);
-                store_bf16(dst, _mm512_mul_ps(d, _mm512_sub_ps(q0, eight)), _mm512_mul_ps(d, _mm512_sub_ps(q1, eight)));
-            }
-        }
+    for (int64_t b = 0; b < K / QK; b++, dst += QK) {
+        __m512 lo, hi;
+        dequant_block32(row, b, qtype, &lo, &hi);
+        store_bf16(dst, lo, hi);
     }
 }
 
@@ -357,11 +348,8 @@ int tandem_qlinear_bf16_supported(void) {
 int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
                         const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
                         uint16_t *out, int64_t out_stride, int32_t nthreads) {
-    const int64_t bb = block_bytes(qtype);
-    if (bb == 0) return ERR_BAD_QTYPE;
-    const int64_t bw = block_weights(qtype);
-    if (M < 0 || N < 0 || K <= 0 || K % bw != 0 || w_row_bytes != K / bw * bb || x_stride < K || out_stride < N)
-        return ERR_BAD_SHAPE;
+    const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
+    if (status != OK) return status;
 #if !HAVE_AMX
     (void)x; (void)w; (void)out; (void)nthreads;
     return ERR_UNSUPPORTED;

@@ -97,29 +97,20 @@ class _Kernel:
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.bfloat16 and self.amx:
-            return self._bf16(x, weight, bias)
-        if dtype != torch.float32:
-            x = x.float()
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        num_rows = x.shape[0]
-        out = torch.empty(num_rows, weight.rows, dtype=torch.float32)
-        status = self._fn(x.data_ptr(), x.stride(0), num_rows, weight.in_features, weight.data.data_ptr(),
-                          weight.data.shape[1], weight.rows, weight.qtype, out.data_ptr(), out.stride(0),
-                          torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"quantized linear kernel: {STATUS_MESSAGES.get(status, status)}")
-        if bias is not None:
-            out += bias
+            return self._run(self._fn_bf16, x, weight, bias, torch.bfloat16)
+        out = self._run(self._fn, x.float(), weight, bias, torch.float32)
         return out if dtype == torch.float32 else out.to(dtype)
 
-    def _bf16(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    @staticmethod
+    def _run(fn, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+             dtype: torch.dtype) -> torch.Tensor:
+        """``fn``'s product of ``x`` (in ``dtype``) and ``weight``, ``dtype`` out."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], weight.rows, dtype=torch.bfloat16)
-        status = self._fn_bf16(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
-                               weight.data.shape[1], weight.rows, weight.qtype, out.data_ptr(), out.stride(0),
-                               torch.get_num_threads())
+        out = torch.empty(x.shape[0], weight.rows, dtype=dtype)
+        status = fn(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
+                    weight.data.shape[1], weight.rows, weight.qtype, out.data_ptr(), out.stride(0),
+                    torch.get_num_threads())
         if status != 0:
             raise ValueError(f"quantized linear kernel: {STATUS_MESSAGES.get(status, status)}")
         if bias is not None:

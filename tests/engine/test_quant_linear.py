@@ -194,8 +194,20 @@ def test_gguf_blocks_match_the_loaded_weights(smollm2_checkpoint):
     assert seen == wanted
 
 
-def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
+def _assert_greedy_same_from_blocks(llm, linears) -> None:
+    """Greedy answers to two chat prompts with the dense weights, then with every linear reading its blocks."""
     from engine.config import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [[{"role": "user", "content": "What is the capital of France?"}],
+               [{"role": "user", "content": "List three prime numbers."}]]
+    dense = [out.token_ids for out in llm.chat(prompts, params)]
+    for lin in linears:
+        lin.quant_max_batch = 64
+    assert [out.token_ids for out in llm.chat(prompts, params)] == dense
+
+
+def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
     from engine.llm import LLM
 
     llm = LLM(SMOLLM2, dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=80,
@@ -208,13 +220,7 @@ def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
         x = torch.randn(3, model.config.hidden_size)
         qkv = model.layers[0].self_attn.qkv_proj
         torch.testing.assert_close(qkv.quantized_forward(x), qkv.dense_forward(x), rtol=1e-4, atol=1e-4)
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        prompts = [[{"role": "user", "content": "What is the capital of France?"}],
-                   [{"role": "user", "content": "List three prime numbers."}]]
-        dense = [out.token_ids for out in llm.chat(prompts, params)]
-        for lin in linears:
-            lin.quant_max_batch = 64
-        assert [out.token_ids for out in llm.chat(prompts, params)] == dense
+        _assert_greedy_same_from_blocks(llm, linears)
         max_batch, timings = quant_linear.measure_max_batch(linears, torch.float32, batches=(1, 4), repeats=1,
                                                             dense_bytes=1 << 20)
         assert max_batch in (0, 1, 4) and set(timings) <= {1, 4}
@@ -225,7 +231,6 @@ def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
 def test_smollm2_bfloat16_decodes_the_same_from_blocks(smollm2_checkpoint):
     """bfloat16 (the AMX kernel where the CPU has AMX): the blocks give the weights the dense
     bfloat16 model holds, so only the order of float32 sums differs; greedy text stays the same."""
-    from engine.config import SamplingParams
     from engine.llm import LLM
 
     llm = LLM(SMOLLM2, dtype="bfloat16", device="cpu", max_model_len=512, num_gpu_blocks_override=80,
@@ -237,13 +242,7 @@ def test_smollm2_bfloat16_decodes_the_same_from_blocks(smollm2_checkpoint):
             x = torch.randn(5, lin.in_features).bfloat16()
             torch.testing.assert_close(lin.quantized_forward(x).float(), lin.dense_forward(x).float(),
                                        rtol=2 ** -7, atol=1e-2)
-        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-        prompts = [[{"role": "user", "content": "What is the capital of France?"}],
-                   [{"role": "user", "content": "List three prime numbers."}]]
-        dense = [out.token_ids for out in llm.chat(prompts, params)]
-        for lin in linears:
-            lin.quant_max_batch = 64
-        assert [out.token_ids for out in llm.chat(prompts, params)] == dense
+        _assert_greedy_same_from_blocks(llm, linears)
     finally:
         llm.close()
 
