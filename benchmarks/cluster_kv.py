@@ -31,7 +31,7 @@ bridge) streams two requests through the router's gRPC API (tandem_client/), one
    upper bound, by some ms. (The prefill worker's own time for it is no help: the transfer's
    threads slow that short forward down on the shared cores, and it overlaps the transfer.)
 
-Around each request it reads both workers' /metrics (engine/serving/metrics.py):
+Around each request it reads both workers' /metrics (worker/metrics.py):
 - prefill: the prefill worker's own tandem_time_to_first_token_seconds (its Submit arrived ->
   first token sampled). Writes are asynchronous, so this is compute, plus issuing the per-layer
   writes and whatever the transfer's threads take from the engine thread on the shared cores;
@@ -87,12 +87,12 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from deploy.launch import ServiceProcess  # noqa: E402
 from engine.model_source import load_arch, resolve_model  # noqa: E402
-from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX  # noqa: E402
 from protos.auth import SECRET_ENV, SecretStub, new_secret  # noqa: E402
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX  # noqa: E402
 from tandem_client import TandemClient  # noqa: E402
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements  # noqa: E402
+from worker.process import READY_PREFIX as WORKER_READY_PREFIX  # noqa: E402
 
 KV_BACKENDS = ("tcp", "nixl")
 

@@ -13,13 +13,13 @@ import kvtransfer
 from decode_worker.ranks import DecodeRank
 from decode_worker.servicer import DecodeServicer, PrefillClients
 from decode_worker.worker import DecodeLoop
+from engine.fingerprint import worker_fingerprint
 from engine.kv_cache import KVPool
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.serving.fingerprint import worker_fingerprint
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.process import WorkerParts, run
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from worker.metrics import WorkerMetrics
+from worker.process import WorkerParts, run
 
 DESCRIPTOR_KEY = "decode-kv-descriptor/{rank}"   # in the TP group's store: each rank's region
 

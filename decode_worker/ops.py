@@ -1,13 +1,13 @@
 """The ops a decode worker's rank 0 mirrors on every TP rank's receiver (every rank process).
 
-Applied by decode_worker/ranks.py's ``DecodeRank``; see engine/tp_role.py for how they travel
+Applied by decode_worker/ranks.py's ``DecodeRank``; see worker/tp_role.py for how they travel
 (``[TAG, *fields]`` over msgpack).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.tp_role import MirroredOp
+from worker.tp_role import MirroredOp
 
 POLL_FIELDS = 3   # a Poll replies [done, freeable, not failed] per request
 

@@ -2,7 +2,7 @@
 
 Each TP rank of a decode worker registers its own KV pool shard (its KV heads) with a
 kvtransfer receiver; prefill rank r writes into decode rank r. Rank 0's DecodeLoop changes
-receiver state on every rank through mirrored ops (decode_worker/ops.py, engine/tp_role.py):
+receiver state on every rank through mirrored ops (decode_worker/ops.py, worker/tp_role.py):
 ``Expect`` a reservation, ``Cancel`` or ``Release`` it, ``Fence`` its writers when the request
 moves to another prefill worker, and ``Poll`` transfers, whose reply is min-reduced so rank 0
 knows whether *every* rank has the transfer done (or freeable).
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import kvtransfer
 from decode_worker.ops import OP_TYPES, Cancel, Expect, Fence, Poll, Release
-from engine.tp_role import MirroredOp, RoleHandler
+from worker.tp_role import MirroredOp, RoleHandler
 
 
 class DecodeRank(RoleHandler):

@@ -2,7 +2,7 @@
 
 Also the decode side's client of the prefill workers: it tells a prefill worker where to
 write (SetDestination) and aborts there when a stream is cancelled. SetDestination is the model
-handshake both ways (engine/serving/fingerprint.py): it carries this worker's fingerprint, the
+handshake both ways (engine/fingerprint.py): it carries this worker's fingerprint, the
 prefill worker refuses a different one (FAILED_PRECONDITION), and a prefill worker whose answer
 carries a different (or no) fingerprint is refused here; either way the request fails with both
 fingerprints in its error.
@@ -25,11 +25,11 @@ import grpc
 
 from decode_worker.worker import DecodeJob, DecodeLoop, EventBatch, StreamEvent
 from engine.config import SamplingParams
-from engine.serving.convert import check_request, logprobs_to_proto, sampling_from_proto
-from engine.serving.fingerprint import check_peer
-from engine.serving.session import SessionState
+from engine.fingerprint import check_peer
 from protos.auth import SecretStub
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from worker.convert import check_request, logprobs_to_proto, sampling_from_proto
+from worker.session import SessionState
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ class _Session(SessionState):
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, prefill: PrefillClients, rpc_timeout_s: float = 30.0, fingerprint: str = "") -> None:
-        """``fingerprint``: this worker's (engine.serving.fingerprint); every prefill worker refuses
+        """``fingerprint``: this worker's (engine.fingerprint); every prefill worker refuses
         an empty one, so only in-process tests that never send SetDestination leave it out."""
         self.prefill = prefill
         self.fingerprint = fingerprint

@@ -36,10 +36,10 @@ from decode_worker.ranks import DecodeRank
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.math_utils import cdiv
-from engine.serving.config import WorkerConfig
-from engine.serving.loop import EngineLoop
-from engine.serving.metrics import WorkerMetrics
-from engine.tp_role import MirroredOps
+from worker.config import WorkerConfig
+from worker.loop import EngineLoop
+from worker.metrics import WorkerMetrics
+from worker.tp_role import MirroredOps
 
 logger = logging.getLogger(__name__)
 

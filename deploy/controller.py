@@ -55,7 +55,6 @@ from deploy.launch import ServiceProcess
 from deploy.planner import Capacity, Planner, PlannerConfig, profile_capacity
 from deploy.planner_loop import PlannerLoop, Targets
 from deploy.prometheus_sd import TargetFile, target_groups
-from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
 from engine.sim.arch import sim_profile_of
 from engine.sim.latency import load_profile
 from protos.auth import SECRET_ENV, SecretStub
@@ -63,6 +62,7 @@ from protos.auth import metadata as secret_metadata
 from protos.limits import ROLES
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_grpc
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX
+from worker.process import READY_PREFIX as WORKER_READY_PREFIX
 
 logger = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from engine.serving.process import READY_PREFIX
 from protos.limits import ROLES
 from tandem_shm.pools import pools_of, remove_pools_of
+from worker.process import READY_PREFIX
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _PR_SET_PDEATHSIG = 1

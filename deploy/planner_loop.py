@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.planner import Decision, Observation, Planner
-from engine.serving.metrics_server import MetricsServer
 from protos.limits import ROLES
+from worker.metrics_server import MetricsServer
 
 logger = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from deploy.prometheus_sd import DEFAULT_SD_FILE
 from engine.cli_args import add_config_args, config_from_args, config_to_args
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
 from engine.hf_hub import is_hub_id
-from engine.serving.config import WorkerConfig
 from engine.sim.arch import sim_profile_of
 from protos.auth import load_secret, new_secret
 from protos.limits import ROLES
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, RouterConfig, add_public_api_args, public_api_flags
 from tandem_shm.pools import SHM_DIR
+from worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 # WorkerConfig flags `serve` passes on to workers; the controller sets the others (host, ports).

@@ -2,7 +2,7 @@
 
 A model file is user input: whatever its bytes, opening it either works or raises
 ``ModelFileError`` naming the file and the field that is wrong, which a worker prints as one
-line before exiting 2 (engine/serving/process.py), never a traceback from deep inside a reader.
+line before exiting 2 (worker/process.py), never a traceback from deep inside a reader.
 """
 from __future__ import annotations
 

@@ -3,8 +3,9 @@ step rank 0 broadcasts until rank 0 says stop or goes away.
 
 Runs as its own process, one per rank > 0: spawned by `LLM` as ``python -m engine.tp_follower``,
 or started by a launcher as ``python -m prefill_worker|decode_worker --tp-rank r`` (the roles
-plug in a :class:`RoleHandler` for their side of kvtransfer). It schedules nothing: rank 0's
-messages say which tokens run (``STEP``) and which role operations to mirror (``OPS``).
+plug in their :class:`FollowerHooks`, worker/tp_role.py's ``RoleHandler``, for their side of
+kvtransfer). It schedules nothing: rank 0's messages say which tokens run (``STEP``) and which
+role operations to mirror (``OPS``).
 """
 from __future__ import annotations
 
@@ -13,22 +14,41 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from engine.distributed import OPS, PING, STEP, STOP
 from engine.model_runner import ModelRunner, StepInputs
-from engine.tp_role import RoleHandler
 
 logger = logging.getLogger(__name__)
 
 
+class FollowerHooks:
+    """What a follower rank does beside rank 0's steps. The base is the `LLM` follower's: forward
+    only, no role state. A worker role's (worker/tp_role.py, ``RoleHandler``) adds its side of
+    kvtransfer: a hook after each layer and the ops rank 0 mirrors."""
+
+    def after_layer(self, extra: dict[str, Any]) -> Callable[[int], None] | None:
+        """The hook for one step's forward, from the ``extra`` rank 0 sent with the step."""
+        return None
+
+    def apply_wire(self, wire: Any) -> list[int]:
+        """Apply rank 0's ops (in their wire form, as sent with ``OPS``); return this rank's reply."""
+        if wire:
+            raise ValueError(f"this rank has no role to apply ops {wire!r:.80}")
+        return []
+
+    def close(self) -> None:
+        """Called once the rank stops."""
+
+
 class Follower:
-    def __init__(self, runner: ModelRunner, handler: RoleHandler | None = None) -> None:
+    def __init__(self, runner: ModelRunner, handler: FollowerHooks | None = None) -> None:
         if runner.group is None or runner.group.is_leader:
             raise ValueError("a follower needs a runner of TP rank > 0")
         self.runner = runner
-        self.handler = handler or RoleHandler()
+        self.handler = handler or FollowerHooks()
 
     def run(self) -> None:
         """Serve rank 0 until it sends STOP; raises when rank 0 is gone or silent too long."""
@@ -45,7 +65,7 @@ class Follower:
                 self.runner.execute_step(StepInputs.from_wire(body["inputs"]),
                                          self.handler.after_layer(body["extra"]))
             elif kind == OPS:
-                reply = self.handler.apply(self.handler.decode(body["ops"]))
+                reply = self.handler.apply_wire(body["ops"])
                 if body["reply"]:
                     group.all_min(reply)
             else:
@@ -53,7 +73,7 @@ class Follower:
 
 
 def run_follower(model_config: ModelConfig, cache_config: CacheConfig, scheduler_config: SchedulerConfig,
-                 parallel: ParallelConfig, make_handler: Callable[[ModelRunner], RoleHandler] | None = None,
+                 parallel: ParallelConfig, make_handler: Callable[[ModelRunner], FollowerHooks] | None = None,
                  on_ready: Callable[[], None] | None = None) -> int:
     """Build this rank's runner, serve until STOP (0), SIGTERM/SIGINT (0), or failure (1)."""
     signal.signal(signal.SIGTERM, _exit_on_signal)
@@ -62,7 +82,7 @@ def run_follower(model_config: ModelConfig, cache_config: CacheConfig, scheduler
     handler = None
     try:
         runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size, parallel)
-        handler = make_handler(runner) if make_handler is not None else RoleHandler()
+        handler = make_handler(runner) if make_handler is not None else FollowerHooks()
         if on_ready is not None:
             on_ready()
         Follower(runner, handler).run()

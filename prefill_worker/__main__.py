@@ -9,15 +9,15 @@ from __future__ import annotations
 import sys
 from functools import partial
 
+from engine.fingerprint import worker_fingerprint
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from engine.serving.fingerprint import worker_fingerprint
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.process import WorkerParts, run
 from prefill_worker.ranks import PrefillRank
 from prefill_worker.servicer import PrefillServicer
 from prefill_worker.worker import PrefillLoop
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from worker.metrics import WorkerMetrics
+from worker.process import WorkerParts, run
 
 
 def build(worker, model_config, cache_config, scheduler_config, parallel_config) -> WorkerParts:

@@ -1,6 +1,6 @@
 """The ops a prefill worker's rank 0 mirrors on every TP rank (every rank process).
 
-Applied by prefill_worker/ranks.py's ``PrefillRank``; see engine/tp_role.py for how they travel
+Applied by prefill_worker/ranks.py's ``PrefillRank``; see worker/tp_role.py for how they travel
 (``[TAG, *fields]`` over msgpack). The decode worker's region arrives as a blob of descriptors,
 one per decode rank (``kvtransfer.join_descriptors``); each rank uses its own.
 """
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kvtransfer
-from engine.tp_role import MirroredOp
+from worker.tp_role import MirroredOp
 
 POLL_FIELDS = 2   # a Poll replies [all done, none failed] per request
 

@@ -2,7 +2,7 @@
 
 Prefill rank r holds KV heads r of every computed prompt and writes them into decode rank r's
 pool, through its own senders. Rank 0's PrefillLoop drives every rank with mirrored ops
-(prefill_worker/ops.py, engine/tp_role.py) and the per-layer write plan it sends with each step:
+(prefill_worker/ops.py, worker/tp_role.py) and the per-layer write plan it sends with each step:
 the step's ``extra["writes"]``, ``[request_id, src_block_ids, dst_block_ids]`` to write after
 every layer of that forward. An ``Open`` names the decode worker's region blob (one descriptor
 per decode rank); this rank opens ``descriptors[rank]``.
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 import kvtransfer
-from engine.tp_role import MirroredOp, RoleHandler
 from prefill_worker.ops import OP_TYPES, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
+from worker.tp_role import MirroredOp, RoleHandler
 
 logger = logging.getLogger(__name__)
 

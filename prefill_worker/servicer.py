@@ -4,7 +4,7 @@ Submits come only on the router's ``Session`` stream (worker.proto), many to a m
 queued through ``_submit`` on the engine thread and answered on the stream.
 
 ``SetDestination`` is also the model handshake: the decode worker sends its fingerprint
-(engine/serving/fingerprint.py) and gets this worker's back; a destination of another model or
+(engine/fingerprint.py) and gets this worker's back; a destination of another model or
 KV layout is refused with FAILED_PRECONDITION naming both, and the request is dropped here.
 """
 from __future__ import annotations
@@ -13,11 +13,11 @@ import asyncio
 
 import grpc
 
-from engine.serving.convert import check_request, sampling_from_proto
-from engine.serving.fingerprint import check_peer
-from engine.serving.session import SessionState
+from engine.fingerprint import check_peer
 from prefill_worker.worker import AbortedBeforeSubmit, Destination, PrefillJob, PrefillLoop
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from worker.convert import check_request, sampling_from_proto
+from worker.session import SessionState
 
 MAX_DESCRIPTOR_BYTES = 1 << 16
 

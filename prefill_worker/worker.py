@@ -24,12 +24,12 @@ from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.math_utils import cdiv
 from engine.scheduler import ScheduledBatch
-from engine.serving.config import WorkerConfig
-from engine.serving.loop import EngineLoop
-from engine.serving.metrics import WorkerMetrics
-from engine.tp_role import MirroredOp, MirroredOps
 from prefill_worker.ops import POLL_FIELDS, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
 from prefill_worker.ranks import PrefillRank
+from worker.config import WorkerConfig
+from worker.loop import EngineLoop
+from worker.metrics import WorkerMetrics
+from worker.tp_role import MirroredOp, MirroredOps
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Limits of the internal control plane that the router and the workers both hold to.
 
 One definition each, imported by the router (router/registry.py, router/frontend.py,
-router/dispatch.py), the workers' gRPC side (engine/serving/) and the controller (deploy/).
+router/dispatch.py), the workers' gRPC side (worker/) and the controller (deploy/).
 kvtransfer may not import this package; its ``MAX_REQUEST_ID_LEN`` is held equal to
 ``MAX_REQUEST_ID_CHARS`` by tests/test_one_fact.py.
 """

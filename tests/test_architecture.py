@@ -10,19 +10,22 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy", "tandem_client",
-            "tandem_shm")
+PACKAGES = ("engine", "kvtransfer", "worker", "router", "prefill_worker", "decode_worker", "protos", "deploy",
+            "tandem_client", "tandem_shm")
 # torch-free (the last test below)
-ROUTER_MAY_USE = ("engine.tokenizer", "engine.config", "engine.serving.fingerprint")
+ROUTER_MAY_USE = ("engine.tokenizer", "engine.config", "engine.fingerprint")
 # package -> top-level modules it must never import
 BANNED = {
-    "engine": {"router", "prefill_worker", "decode_worker", "deploy", "kvtransfer", "tandem_client"},
-    "kvtransfer": {"engine", "router", "prefill_worker", "decode_worker", "deploy", "tandem_client"},
+    "engine": {"worker", "router", "prefill_worker", "decode_worker", "deploy", "kvtransfer", "protos",
+               "tandem_client"},
+    "kvtransfer": {"engine", "worker", "router", "prefill_worker", "decode_worker", "deploy", "tandem_client"},
+    # The plumbing both roles share (servers, processes, sessions, metrics): it knows no role.
+    "worker": {"prefill_worker", "decode_worker", "router", "deploy", "tandem_client"},
     "prefill_worker": {"decode_worker", "router", "deploy", "tandem_client"},
     "decode_worker": {"prefill_worker", "router", "deploy", "tandem_client"},
-    "router": {"prefill_worker", "decode_worker", "torch", "triton", "deploy", "tandem_client", "tandem_shm"},
-    "protos": {"engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "deploy", "torch", "tandem_client",
-               "tandem_shm"},
+    "router": {"worker", "prefill_worker", "decode_worker", "torch", "triton", "deploy", "tandem_client", "tandem_shm"},
+    "protos": {"engine", "kvtransfer", "worker", "router", "prefill_worker", "decode_worker", "deploy", "torch",
+               "tandem_client", "tandem_shm"},
 }
 # Packages that may import, beyond the standard library and themselves, only these.
 # The client SDK runs in the user's process: grpc and protos only, so installing Tandem's server
@@ -113,8 +116,18 @@ def test_no_pickle_in_the_product():
 
 
 def test_engine_package_and_tokenizer_import_without_torch():
-    code = ("import sys, engine, engine.config, engine.tokenizer, engine.block_manager, engine.serving.fingerprint; "
+    code = ("import sys, engine, engine.config, engine.tokenizer, engine.block_manager, engine.fingerprint; "
             "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_the_cli_and_controller_import_without_torch():
+    """`tandem serve` reads the workers' flags (worker.config) and the controller their READY line
+    (worker.process) without loading torch, which is why worker.config keeps its own copy of
+    kvtransfer's backend names (tests/test_one_fact.py)."""
+    code = "import sys, deploy.cli, deploy.serve, deploy.controller, worker.config, worker.process; " \
+           "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -122,7 +135,7 @@ def test_engine_package_and_tokenizer_import_without_torch():
 # The workers use LLMEngine's own API (reserve/free blocks, add_prefilled, stats(), kv_pool, ...),
 # never the engine's parts: what reaches in cannot be changed behind its back.
 ENGINE_PARTS = {"allocator", "scheduler", "runner"}
-NARROW_API_USERS = ("prefill_worker", "decode_worker", "engine/serving")
+NARROW_API_USERS = ("prefill_worker", "decode_worker", "worker")
 
 
 def _engine_part_uses(path: Path) -> list[tuple[int, str]]:

@@ -1,7 +1,9 @@
 """One fact, one place: each shared limit or name list has one definition that the others import.
 
 Where the import direction (tests/test_architecture.py) keeps two packages from importing each
-other -- engine and kvtransfer, kvtransfer and protos -- the second copy is checked equal here.
+other -- engine and kvtransfer, kvtransfer and protos -- or importing the owner would load torch
+into a process that has none (kvtransfer's backend names in worker/config.py, which `tandem serve`
+and the controller import), the second copy is checked equal here.
 """
 from __future__ import annotations
 
@@ -14,14 +16,14 @@ import pytest
 
 import kvtransfer
 from engine.config import DEFAULT_MAX_TOKENS, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.serving.config import KV_BACKENDS, NOT_FLAGS, PROCESS_KV_BACKENDS, WorkerConfig
 from kvtransfer.descriptor import TRANSPORTS
 from kvtransfer.messages import MAX_REQUEST_ID_LEN
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, MAX_REQUEST_ID_CHARS
+from worker.config import KV_BACKENDS, NOT_FLAGS, PROCESS_KV_BACKENDS, WorkerConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-PRODUCT = ("engine", "kvtransfer", "router", "prefill_worker", "decode_worker", "protos", "deploy", "tandem_client",
-           "tandem_shm")
+PRODUCT = ("engine", "kvtransfer", "worker", "router", "prefill_worker", "decode_worker", "protos", "deploy",
+           "tandem_client", "tandem_shm")
 # name -> the one module that defines it
 DEFINED_IN = {
     "ROLES": "protos/limits.py",
@@ -33,7 +35,7 @@ DEFINED_IN = {
     "DEFAULT_MAX_TOKENS": "engine/config.py",
     "BACKENDS": "kvtransfer/__init__.py",
     "TRANSPORTS": "kvtransfer/descriptor.py",
-    "KV_BACKENDS": "engine/serving/config.py",
+    "KV_BACKENDS": "worker/config.py",
     "MAX_REQUEST_ID_LEN": "kvtransfer/messages.py",
     "SHM_DIR": "tandem_shm/pools.py",
     "POOL_PREFIX": "tandem_shm/pools.py",
@@ -145,7 +147,7 @@ def test_only_one_kv_layout_class_name():
 
 
 def test_a_worker_process_refuses_the_in_process_fake_backend(capsys):
-    from engine.serving.process import parse_args
+    from worker.process import parse_args
 
     assert "fake" not in PROCESS_KV_BACKENDS
     assert parse_args("prefill", ["--kv-backend", "cuda-ipc"]).kv_backend == "cuda-ipc"

@@ -41,7 +41,6 @@ import grpc
 import pytest
 
 from deploy.launch import REPO_ROOT, ServiceProcess
-from engine.serving.process import READY_PREFIX as WORKER_READY_PREFIX
 from protos.auth import SECRET_ENV, SecretStub, new_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX
@@ -50,6 +49,7 @@ from tests.cluster.streams import Streams, metric, scrape
 
 # Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from worker.process import READY_PREFIX as WORKER_READY_PREFIX
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ from prometheus_client import generate_latest
 
 from deploy.planner import Capacity, Planner, PlannerConfig, Reason
 from deploy.planner_loop import PlannerLoop, Scrape, Targets, observe, parse_samples, window_quantile
-from engine.serving.metrics import WorkerMetrics
-from engine.serving.metrics_server import MetricsServer
 from router.metrics import RouterMetrics
+from worker.metrics import WorkerMetrics
+from worker.metrics_server import MetricsServer
 
 
 def test_window_quantile_of_the_buckets_between_two_scrapes():

@@ -12,8 +12,8 @@ from pathlib import Path
 import yaml
 
 from deploy.prometheus_sd import DEFAULT_SD_FILE, TargetFile, scrape_address, target_groups
-from engine.serving.metrics import WorkerMetrics
 from router.metrics import RouterMetrics
+from worker.metrics import WorkerMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "tandem.json"

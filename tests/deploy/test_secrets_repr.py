@@ -1,14 +1,14 @@
 """No config dataclass prints a secret: the API key and the cluster secret are ``repr=False`` in
 every config that holds them (deploy/controller.py ServeSpec, router/config.py RouterConfig,
-engine/serving/config.py WorkerConfig), so a log line or a Ray error that shows a config does
+worker/config.py WorkerConfig), so a log line or a Ray error that shows a config does
 not show them."""
 from __future__ import annotations
 
 import dataclasses
 
 from deploy.controller import ServeSpec
-from engine.serving.config import WorkerConfig
 from router.config import RouterConfig
+from worker.config import WorkerConfig
 
 API_KEY = "sk-test-api-key-that-must-not-print"
 SECRET = "cluster-secret-that-must-not-print-0123456789"

@@ -126,7 +126,7 @@ def test_engine_by_id_matches_local_path(hub_cache, tiny_model_dir, make_llm, on
 
 def test_worker_flags_carry_revision_and_download_dir(hub_cache):
     from engine.cli_args import config_from_args
-    from engine.serving.process import parse_args
+    from worker.process import parse_args
 
     args = parse_args("prefill", ["--model", REPO, "--revision", "v2", "--download-dir", str(hub_cache)])
     assert config_from_args(ModelConfig, args) == ModelConfig(model=REPO, revision="v2", download_dir=str(hub_cache))

@@ -14,9 +14,9 @@ import kvtransfer
 from decode_worker.worker import DecodeJob, DecodeLoop
 from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
 from engine.llm_engine import LLMEngine
-from engine.serving.config import WorkerConfig
-from engine.serving.metrics import WorkerMetrics
 from prefill_worker.worker import Destination, PrefillJob, PrefillLoop
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
 
 
 @pytest.fixture

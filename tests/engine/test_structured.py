@@ -171,7 +171,7 @@ def test_decode_side_resumes_after_the_prefill_token(llm):
 
 
 def test_structured_params_round_trip_through_the_worker_proto():
-    from engine.serving.convert import sampling_from_proto, sampling_to_proto
+    from worker.convert import sampling_from_proto, sampling_to_proto
 
     params = SamplingParams(temperature=0.5, max_tokens=9, num_resumed_tokens=2,
                             structured=StructuredOutput("choice", '["a", "b"]'))

@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 
-from engine.serving.config import WorkerConfig
 from kvtransfer import NotifyPayload, RegionDescriptor, TransferStatus, create_receiver, create_sender
 from kvtransfer.descriptor import NixlRegion
 from kvtransfer.messages import MessageError
 from tests.kvtransfer.conftest import REPO_ROOT, make_pair, random_pool
+from worker.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(60)
 

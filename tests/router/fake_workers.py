@@ -41,7 +41,7 @@ def fake_completion(prompt_token_ids: Sequence[int], num_tokens: int) -> list[in
 class FakeState:
     model: str = "fake-model"
     max_model_len: int = 256
-    fingerprint: str = ""             # none: the router does not check the model (engine/serving/fingerprint.py)
+    fingerprint: str = ""             # none: the router does not check the model (engine/fingerprint.py)
     kv_blocks_total: int = 1000
     active: set[str] = field(default_factory=set)
     seen: list[str] = field(default_factory=list)        # request ids, in arrival order

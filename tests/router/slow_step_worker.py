@@ -43,7 +43,7 @@ def main() -> int:
         from prefill_worker.__main__ import build, follow
     else:
         from decode_worker.__main__ import build, follow
-    from engine.serving.process import run
+    from worker.process import run
     return run(role, build, flags, follow=follow)
 
 

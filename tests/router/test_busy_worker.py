@@ -14,11 +14,11 @@ import openai
 import pytest
 
 from deploy.launch import ServiceProcess, WorkerProcess
-from engine.serving.process import READY_PREFIX
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import Router
 from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from worker.process import READY_PREFIX
 
 pytestmark = pytest.mark.slow
 HOLD_S = 10.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.serving.fingerprint import Fingerprint, ModelIdentity, model_identity
+from engine.fingerprint import Fingerprint, ModelIdentity, model_identity
 from protos.auth import SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster

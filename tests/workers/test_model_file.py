@@ -1,5 +1,5 @@
 """A worker started on a malformed model file prints one line naming the file and the field and
-exits 2, the code of every configuration error (engine/serving/process.py) -- not a traceback
+exits 2, the code of every configuration error (worker/process.py) -- not a traceback
 and a crash loop. Real ``python -m prefill_worker`` / ``decode_worker`` processes."""
 from __future__ import annotations
 

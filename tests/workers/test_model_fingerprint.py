@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.serving.fingerprint import Fingerprint, ModelIdentity, model_identity
+from engine.fingerprint import Fingerprint, ModelIdentity, model_identity
 from tests.engine.conftest import random_prompt
 from tests.workers.conftest import BLOCK_SIZE, pool_flags
 from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until

@@ -1,5 +1,5 @@
 """The TP mirrored ops of both roles (prefill_worker/ops.py, decode_worker/ops.py) through the
-wire form engine/tp_role.py sends them in: msgpack as engine/distributed.py packs it, decoded
+wire form worker/tp_role.py sends them in: msgpack as engine/distributed.py packs it, decoded
 only into the receiving role's op types, each field checked."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 from decode_worker import ops as decode_ops
 from decode_worker.ranks import DecodeRank
 from engine.distributed import OPS
-from engine.tp_role import MirroredOp, MirroredOps, RoleHandler
 from kvtransfer.messages import NotifyPayload
 from prefill_worker import ops as prefill_ops
 from prefill_worker.ranks import PrefillRank
+from worker.tp_role import MirroredOp, MirroredOps, RoleHandler
 
 PREFILL = [
     prefill_ops.Open("r1", b"\x00region\xff", [4, 5, 6]),

@@ -78,7 +78,7 @@ def test_tp_size_mismatch_fails_the_request_naming_both_sizes(tp_pair, spawn, ti
     result = generate(prefill, decode_tp1, "tp-mismatch", prompt, greedy(4))
     assert result.error is not None
     details = result.error.details()
-    # The model handshake (engine/serving/fingerprint.py) refuses the pair before any transfer,
+    # The model handshake (engine/fingerprint.py) refuses the pair before any transfer,
     # naming both sides' TP rank/size.
     assert "FAILED_PRECONDITION" in details and "model fingerprints differ in" in details and "tp" in details
     assert "tp=0/1" in details and "tp=0/2" in details, details

@@ -1,4 +1,4 @@
-"""The worker /metrics server (engine/serving/metrics_server.py) bounds what idle and slow
+"""The worker /metrics server (worker/metrics_server.py) bounds what idle and slow
 clients hold: a connection that sends no full request head within the timeout is closed, a
 flood of idle connections does not keep a real scrape out, and the server stops cleanly."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from engine.serving.metrics import WorkerMetrics
+from worker.metrics import WorkerMetrics
 
 HEAD_TIMEOUT_S = 1.0
 MAX_CONNECTIONS = 16

@@ -1,7 +1,7 @@
 """Worker process settings (both roles); CLI flags map 1:1 onto the fields but one.
 
 ``cluster_secret`` has no flag: a secret on a command line is visible to every user of the host
-(ps, /proc/PID/cmdline), so it comes from the environment (protos/auth.py, engine/serving/process.py).
+(ps, /proc/PID/cmdline), so it comes from the environment (protos/auth.py, worker/process.py).
 """
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 
 from engine.config import flag
 
-# kvtransfer's backend names (kvtransfer.BACKENDS; engine may not import kvtransfer, so
-# tests/test_one_fact.py holds the two equal). "fake" is the in-process fabric of the twin
-# tests: a worker process cannot use it, so its flag offers the others only.
+# kvtransfer's backend names (kvtransfer.BACKENDS), written again: `import kvtransfer` loads torch
+# (~1.5 s, ~190 MB) and this module is imported where torch is not, by `tandem serve` for its
+# flags and by the controller, so tests/test_one_fact.py holds the two equal. "fake" is the
+# in-process fabric of the twin tests: a worker process cannot use it, so its flag offers the others only.
 KV_BACKENDS = ("auto", "shm", "tcp", "cuda-ipc", "nixl", "fake")
 PROCESS_KV_BACKENDS = tuple(b for b in KV_BACKENDS if b != "fake")
 NOT_FLAGS = ("cluster_secret",)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine.serving.loop import EngineLoop
+from worker.loop import EngineLoop
 
 
 class CountingLoop(EngineLoop):
@@ -137,7 +137,7 @@ def test_a_worker_builds_its_engine_on_one_thread():
 
     import torch
 
-    from engine.serving import process
+    from worker import process
     seen = {}
 
     def build(worker, *configs):

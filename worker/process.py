@@ -30,8 +30,8 @@ from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.serving.config import NOT_FLAGS, WorkerConfig
 from protos.auth import require_secret
+from worker.config import NOT_FLAGS, WorkerConfig
 
 logger = logging.getLogger(__name__)
 READY_PREFIX = "TANDEM_WORKER_READY "
@@ -81,7 +81,7 @@ def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = N
             if worker.num_threads:
                 torch.set_num_threads(worker.num_threads)
             return _follow(role, worker, configs, parallel, follow)
-        # Only the engine thread may own an OpenMP team (engine/serving/loop.py): build on one.
+        # Only the engine thread may own an OpenMP team (worker/loop.py): build on one.
         num_threads = worker.num_threads or torch.get_num_threads()
         torch.set_num_threads(1)
         parts = build(worker, *configs, parallel)
@@ -123,7 +123,7 @@ def _follow(role: str, worker: WorkerConfig, configs: tuple[ModelConfig, CacheCo
 
 
 async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
-    from engine.serving.grpc_server import start_server
+    from worker.grpc_server import start_server
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
-from engine.serving.metrics_server import HEAD_TIMEOUT_S, MAX_CONNECTIONS, MetricsServer
+from worker.metrics_server import HEAD_TIMEOUT_S, MAX_CONNECTIONS, MetricsServer
 
 
 class _ReceiverCounters:
@@ -84,7 +84,7 @@ class WorkerMetrics:
 
     def serve(self, host: str, port: int, head_timeout_s: float = HEAD_TIMEOUT_S,
               max_connections: int = MAX_CONNECTIONS) -> int:
-        """Start the /metrics HTTP server (engine/serving/metrics_server.py); returns the bound port."""
+        """Start the /metrics HTTP server (worker/metrics_server.py); returns the bound port."""
         self._server = MetricsServer(self.registry, head_timeout_s, max_connections)
         return self._server.start(host, port)
 

@@ -1,7 +1,8 @@
 """What a worker role adds to tensor parallelism: ops rank 0 mirrors on every rank.
 
 Runs in every rank process of a TP replica. A role's per-rank state (a decode rank's kvtransfer
-receiver, a prefill rank's senders) lives in a :class:`RoleHandler`; rank 0 changes it only
+receiver, a prefill rank's senders) lives in a :class:`RoleHandler` (the hooks a follower rank
+runs, engine/tp_follower.py's ``FollowerHooks``, with ops); rank 0 changes it only
 through :class:`MirroredOps`, which applies a list of ops to its own handler and broadcasts the
 same list to the followers' handlers, so every rank does its own side of each transfer. Each op
 is a :class:`MirroredOp` dataclass (the roles declare theirs in ``prefill_worker/ops.py`` and
@@ -17,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from engine.distributed import OPS, Leader
+from engine.tp_follower import FollowerHooks
 
 
 def _is_int(value: Any) -> bool:
@@ -56,14 +58,13 @@ class MirroredOp:
         return cls(*wire[1:])
 
 
-class RoleHandler:
-    """One rank's role state. The base class is the `LLM` follower's: forward only."""
+class RoleHandler(FollowerHooks):
+    """One rank's role state, changed by the ops of its ``OP_TYPES``."""
 
     OP_TYPES: ClassVar[tuple[type[MirroredOp], ...]] = ()   # the ops ``apply`` takes
 
-    def after_layer(self, extra: dict[str, Any]) -> Callable[[int], None] | None:
-        """The hook for one step's forward, from the ``extra`` rank 0 sent with the step."""
-        return None
+    def apply_wire(self, wire: Any) -> list[int]:
+        return self.apply(self.decode(wire))
 
     def apply(self, ops: list[MirroredOp]) -> list[int]:
         """Apply rank 0's ops in order; return this rank's reply (may be empty)."""
@@ -83,9 +84,6 @@ class RoleHandler:
                 raise ValueError(f"unknown {cls.__name__} op {item[:1] if isinstance(item, list) else item!r}")
             ops.append(by_tag[item[0]].from_wire(item))
         return ops
-
-    def close(self) -> None:
-        """Called once the rank stops."""
 
 
 class MirroredOps:

@@ -1,9 +1,9 @@
-"""engine.serving.fingerprint: the string form round-trips, what is compared, what is refused."""
+"""engine.fingerprint: the string form round-trips, what is compared, what is refused."""
 from __future__ import annotations
 
 import pytest
 
-from engine.serving.fingerprint import SAMPLE_NBYTES, Fingerprint, ModelIdentity, check_peer, weights_digest
+from engine.fingerprint import SAMPLE_NBYTES, Fingerprint, ModelIdentity, check_peer, weights_digest
 
 IDENTITY = ModelIdentity(1, "LlamaForCausalLM", "00112233445566aa", "ffeeddccbbaa9988", "model.gguf")
 PRINT = Fingerprint(IDENTITY, "float32", "2x2x16/16", "0/1")
