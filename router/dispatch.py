@@ -127,6 +127,7 @@ class Dispatcher:
         self._attempts: dict[str, set[Attempt]] = {}
         self._background: set[asyncio.Task] = set()
         registry.on_removed(self._worker_removed)
+        registry.on_drained(self._worker_drained)
 
     # -- public -----------------------------------------------------------------------------
 
@@ -396,6 +397,22 @@ class Dispatcher:
             elif not attempt.prefill_done:
                 # Keep the decode worker's reservation: move the prompt to another prefill worker.
                 self._spawn(self._replace_prefill(attempt, worker))
+
+    def _worker_drained(self, worker: WorkerState) -> None:
+        """A decode worker scaled down: its requests without a token yet (their prompt queued at
+        a prefill worker, or its KV on the way) start again on another pair now, so the drain
+        waits only for the streams it runs, not for a prefill backlog. Their prefill work so far is
+        redone; one that streams already stays. Not when no other decode worker is routable."""
+        if worker.role != "decode" or not self.registry.healthy("decode"):
+            return
+        moving = [attempt for attempt in self._attempts.get(worker.address, ())
+                  if attempt.decode is worker and attempt.prefill is not None and not attempt.streamed]
+        if moving:
+            logger.info("decode worker %s drains: %d requests without a first token move to other decode workers",
+                        worker.address, len(moving))
+        for attempt in moving:
+            self._cut(attempt, Break("decode", f"worker {worker.address} drains: moved before its first token",
+                                     lost=worker.address))
 
     async def _replace_prefill(self, attempt: Attempt, dead: WorkerState) -> None:
         """Re-submit to another prefill worker and point the decode worker at it

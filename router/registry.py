@@ -10,7 +10,8 @@ engine thread dead (all UNAVAILABLE) -- on ``max_missed`` heartbeats in a row, o
 probe after a request broke on it. Listeners (the dispatcher) hear about a removal and fail its
 requests over. A joining worker is never removed, so the router may start before its workers.
 ``drain`` (scale-down) stops routing new requests to a worker while its in-flight ones finish; the
-controller removes it once ``num_inflight`` is 0.
+controller removes it once ``num_inflight`` is 0. Drain listeners (the dispatcher) hear about it
+too: a decode worker's requests still waiting for their prompt's KV move to another one.
 
 Every call to a worker carries the deployment's cluster secret (protos/auth.py). A worker that
 refuses it, or whose Stats answer shows another model than the router's, is not routable: it
@@ -18,7 +19,7 @@ stays joining (or stops being healthy) and the log says why, once; ``check_new``
 service's RegisterWorker) removes it and says why to the caller.
 
 "Another model" is decided on the model identity part of the worker's fingerprint
-(engine/fingerprint.py: protocol version, architecture, hyper-parameters digest,
+(engine/serving/fingerprint.py: protocol version, architecture, hyper-parameters digest,
 weights digest) -- the only part the router can know. It computes its own from its ``--model``
 files when that is a built-in name or a local path; for a Hugging Face id (whose revision it
 does not know, and which it must not download) the first worker to answer sets the identity the
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.fingerprint import Fingerprint, ModelIdentity, local_model_identity
+from engine.serving.fingerprint import Fingerprint, ModelIdentity, local_model_identity
 from protos.auth import SecretStub
 from protos.limits import MAX_MESSAGE_BYTES, ROLES
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
@@ -94,6 +95,7 @@ class WorkerRegistry:
         self.max_missed = max_missed
         self._workers: dict[str, WorkerState] = {}
         self._listeners: list[Callable[[WorkerState], None]] = []
+        self._drain_listeners: list[Callable[[WorkerState], None]] = []
         self._task: asyncio.Task | None = None
         self._stop = asyncio.Event()
         self._changed = asyncio.Event()
@@ -102,6 +104,9 @@ class WorkerRegistry:
 
     def on_removed(self, listener: Callable[[WorkerState], None]) -> None:
         self._listeners.append(listener)
+
+    def on_drained(self, listener: Callable[[WorkerState], None]) -> None:
+        self._drain_listeners.append(listener)
 
     def add(self, role: str, address: str) -> WorkerState:
         """Register a worker (idempotent for the same role); it is routable after one Stats answer."""
@@ -147,6 +152,8 @@ class WorkerRegistry:
         if not worker.draining:
             worker.draining = True
             logger.info("draining %s worker %s (%d requests in flight)", worker.role, address, worker.num_inflight)
+            for listener in self._drain_listeners:
+                listener(worker)
         return True
 
     def get(self, address: str) -> WorkerState | None:

@@ -196,6 +196,75 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
     run(loop_thread, tokenizer, body, num_decode=2, decode_options={"token_interval_s": 0.02})
 
 
+class _HoldingDecode(FakeDecode):
+    """Holds a request whose prompt starts with ``HOLD`` before its first token until ``release``
+    is set: a decode worker whose request waits for its prompt's KV behind a prefill backlog."""
+
+    HOLD = 77
+
+    def __init__(self, state, **options) -> None:
+        super().__init__(state, **options)
+        self.release = asyncio.Event()
+        self.held: list[str] = []
+
+    async def generate_one(self, request, context):
+        if request.prompt_token_ids[0] == self.HOLD:
+            self.held.append(request.request_id)
+            await self.release.wait()
+        async for response in super().generate_one(request, context):
+            yield response
+
+
+def test_a_draining_decode_worker_hands_its_requests_without_a_first_token_to_another(loop_thread, tokenizer):
+    """Scale-down must not wait for a prefill backlog: a request the drained decode worker holds
+    before its first token starts again on another decode worker at once (aborted at both of its
+    old workers); a stream already running stays and finishes there."""
+    async def main():
+        prefill = await FakeWorker("prefill").start()
+        first = FakeWorker("decode")
+        first.servicer = _HoldingDecode(first.state, token_interval_s=0.02)
+        second = await FakeWorker("decode", token_interval_s=0.02).start()
+        await first.start()
+        router = await Router(RouterConfig(model=MODEL, http_port=-1, grpc_port=0, prefill=(prefill.address,),
+                                           decode=(first.address, second.address), heartbeat_interval_s=0.2),
+                              tokenizer).start()
+        try:
+            registry = router.registry
+            await registry.wait_healthy("decode", 2)
+            await registry.wait_healthy("prefill", 1)
+            registry.get(second.address).num_inflight = 1000         # least_load picks `first`
+            async with AsyncTandemClient(router.grpc_address) as client, \
+                    grpc.aio.insecure_channel(router.grpc_address) as channel:
+                running = client.generate_stream([9, 8, 7], max_tokens=30)
+                chunks = [await running.__anext__()]                 # streaming on `first`
+
+                async def collect(prompt):
+                    return [t async for c in client.generate_stream(prompt, max_tokens=10) for t in c.token_ids]
+
+                held = asyncio.ensure_future(collect([_HoldingDecode.HOLD, 5, 6]))
+                await until(lambda: first.servicer.held)
+                assert registry.get(first.address).num_inflight == 2
+                reply = await admin_stub(channel).DeregisterWorker(
+                    admin_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
+                assert reply.found
+                registry.get(second.address).num_inflight -= 1000
+                # `first` never releases it: the request completes on `second`.
+                assert await asyncio.wait_for(held, 10) == fake_completion([_HoldingDecode.HOLD, 5, 6], 10)
+                moved = first.servicer.held[0]
+                assert moved in first.state.aborted and moved in prefill.state.aborted
+                assert [rid for rid in second.state.seen if rid.startswith(moved)] == [f"{moved}.retry1"]
+                chunks += [c async for c in running]                 # the running stream stays and ends
+                assert [t for c in chunks for t in c.token_ids] == fake_completion([9, 8, 7], 30)
+                assert registry.get(first.address).num_inflight == 0   # drained: the controller may stop it
+                assert not first.servicer.release.is_set()
+        finally:
+            await router.stop()
+            for worker in (prefill, first, second):
+                await worker.stop()
+
+    loop_thread.run(main())
+
+
 def test_a_request_whose_only_decode_worker_died_waits_for_its_replacement(loop_thread, tokenizer):
     async def body(cluster):
         dead = cluster.decodes[0]
