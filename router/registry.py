@@ -19,7 +19,7 @@ stays joining (or stops being healthy) and the log says why, once; ``check_new``
 service's RegisterWorker) removes it and says why to the caller.
 
 "Another model" is decided on the model identity part of the worker's fingerprint
-(engine/serving/fingerprint.py: protocol version, architecture, hyper-parameters digest,
+(engine/fingerprint.py: protocol version, architecture, hyper-parameters digest,
 weights digest) -- the only part the router can know. It computes its own from its ``--model``
 files when that is a built-in name or a local path; for a Hugging Face id (whose revision it
 does not know, and which it must not download) the first worker to answer sets the identity the
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from engine.serving.fingerprint import Fingerprint, ModelIdentity, local_model_identity
+from engine.fingerprint import Fingerprint, ModelIdentity, local_model_identity
 from protos.auth import SecretStub
 from protos.limits import MAX_MESSAGE_BYTES, ROLES
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
