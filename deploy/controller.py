@@ -11,7 +11,9 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
 - a new replica is registered with the router (Admin.RegisterWorker) once all its ranks are ready
   and counts as *running* once the router's heartbeat found it healthy: it takes traffic only then;
 - scale-down drains (Admin.DeregisterWorker drain=true: no new requests), waits until the router has
-  no request in flight on the replica, then removes it and stops its processes;
+  no request in flight on the replica, then removes it and stops its processes; of the running
+  replicas it drains the emptiest (``drain_order``: fewest streams running, by the router's view),
+  and the router moves a drained decode worker's requests that have no first token yet elsewhere;
 - a replica whose process dies is removed from the router (its requests fail over), torn down
   and started again, right away the first time and then with a growing delay; one that keeps
   dying shows as ``crashloop`` with its last error in ``tandem status``; one that exits with
@@ -212,6 +214,20 @@ class Replica:
     up_since: float = 0.0
     ever_ready: bool = False
     busy: bool = False            # a start thread owns it
+
+
+def drain_order(live: list[Replica], view: dict[str, Any] | None) -> list[Replica]:
+    """A role's replicas in the order a scale-down removes them: those not serving (failed,
+    backing off, still starting) first, newest first; then the running ones with the fewest
+    streams running (a drain waits for those: the router moves the requests without a first token
+    elsewhere), then the fewest requests in flight, newest first. ``live`` is in start order;
+    ``view``: the router's workers by address (GetCluster), None when it did not answer."""
+    def load(r: Replica) -> tuple[int, int]:
+        seen = (view or {}).get(r.address)
+        return (seen.num_running, seen.num_inflight) if seen is not None else (0, 0)
+
+    ranked = sorted(enumerate(live), key=lambda ir: (ir[1].state == "running", load(ir[1]), -ir[0]))
+    return [r for _, r in ranked]
 
 
 def record_failure(r: Replica, error: str, now: float, config_error: bool = False) -> None:
@@ -614,6 +630,11 @@ class Controller:
         now = time.monotonic()
         view = None
         with self._lock:
+            shrinking = any(sum(r.role == role and r.state == "running" for r in self.replicas) > self.desired[role]
+                            for role in ROLES)
+        # A running replica to drain: the emptiest, by the router's view (outside the lock: an RPC).
+        loads = self._router_view(timeout_s=2.0, wait=False) if shrinking else None
+        with self._lock:
             for role in ROLES:
                 live = [r for r in self.replicas if r.role == role and r.state != "draining"]
                 for _ in range(self.desired[role] - len(live)):
@@ -621,12 +642,12 @@ class Controller:
                     self.replicas.append(r)
                     live.append(r)
                 surplus = len(live) - self.desired[role]
-                # Remove what is not serving first (failed, backing off, still starting), newest first.
-                order = sorted(live, key=lambda r: (r.state == "running", -self.replicas.index(r)))
-                for r in order[:max(0, surplus)]:
+                for r in drain_order(live, loads)[:max(0, surplus)]:
                     if r.state == "running":
                         r.state = "draining"
-                        logger.info("draining %s worker %s at %s", r.role, r.id, r.address)
+                        seen = (loads or {}).get(r.address)
+                        logger.info("draining %s worker %s at %s%s", r.role, r.id, r.address,
+                                    f" ({seen.num_running} running, {seen.num_inflight} in flight)" if seen else "")
                         threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
                     elif not r.busy:
                         self._drop(r)

@@ -123,6 +123,21 @@ def test_restart_policy_gives_up_on_config_errors_and_on_replicas_that_never_cam
     assert r.state == "failed"
 
 
+def test_a_scale_down_drains_what_does_not_serve_then_the_emptiest_running_replica():
+    from types import SimpleNamespace
+
+    from deploy.controller import drain_order
+
+    live = [Replica(f"decode-{i}", "decode", 1, state="running", address=f"d:{i}") for i in range(3)]
+    live.append(Replica("decode-3", "decode", 1, state="starting", address="d:3"))
+    view = {"d:0": SimpleNamespace(num_running=20, num_inflight=25),    # streams: its drain waits for them
+            "d:1": SimpleNamespace(num_running=5, num_inflight=30),     # requests without a token move
+            "d:2": SimpleNamespace(num_running=12, num_inflight=3)}
+    assert [r.id for r in drain_order(live, view)] == ["decode-3", "decode-1", "decode-2", "decode-0"]
+    # The router did not answer: the newest first, as before.
+    assert [r.id for r in drain_order(live, None)] == ["decode-3", "decode-2", "decode-1", "decode-0"]
+
+
 def test_serve_forwards_the_public_api_flags_that_differ_from_the_defaults():
     from router.__main__ import parse_args as router_args
     from router.config import public_api_flags
