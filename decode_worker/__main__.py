@@ -46,7 +46,8 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
     metrics = WorkerMetrics("decode")
     prefill = PrefillClients(worker.cluster_secret)
     servicer = DecodeServicer(prefill, fingerprint=str(worker_fingerprint(engine)))
-    loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination, descriptor)
+    loop = DecodeLoop(engine, worker, metrics, receiver, servicer.send_destination, descriptor,
+                      deliver=servicer.deliver)
     servicer.attach(loop)
 
     def close() -> None:

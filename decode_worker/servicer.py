@@ -8,7 +8,7 @@ carries a different (or no) fingerprint is refused here; either way the request 
 fingerprints in its error.
 
 Requests arrive only on Session streams (the router's one per worker; worker.proto). Stream events
-cross from the engine thread once per step: the engine loop hands its whole batch to ``_deliver``
+cross from the engine thread once per step: the engine loop hands its whole batch to ``deliver``
 (one ``call_soon_threadsafe``), ``_fan_out`` puts each event on its session, and each session
 sends every request's waiting events in one DecodeSessionResponse, one GenerateResponse per
 request -- one step's token while the router keeps up, several steps' tokens when it lags behind.
@@ -165,10 +165,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.loop = loop
         self.vocab_size = loop.engine.arch.vocab_size
         self.max_model_len = loop.engine.max_model_len
-        loop.deliver = self._deliver
 
-    # Called on the engine thread once per step with every stream's events.
-    def _deliver(self, batch: EventBatch) -> None:
+    def deliver(self, batch: EventBatch) -> None:
+        """``DecodeLoop``'s ``deliver``: called on the engine thread once per step with every stream's events."""
         try:
             self.aio_loop.call_soon_threadsafe(_fan_out, batch)
         except RuntimeError:
@@ -266,7 +265,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if job.params.structured is None:
                     jobs.append(job)
                 else:
-                    session.compile_then(self.loop.engine.grammars, job.params.structured,
+                    session.compile_then(self.loop.engine.compile_grammar, job.params.structured,
                                          lambda job=job: admit_compiled(job),
                                          lambda why, rid=rid: session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,
                                                                              why))

@@ -110,9 +110,12 @@ class DecodeLoop(EngineLoop):
 
     def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
                  receiver: kvtransfer.Receiver,
-                 send_destination: Callable[[DecodeJob, bytes], None], descriptor: bytes | None = None) -> None:
+                 send_destination: Callable[[DecodeJob, bytes], None], descriptor: bytes | None = None,
+                 deliver: Callable[[EventBatch], None] = deliver_in_place) -> None:
         """``descriptor``: what the prefill worker writes to (default: ``receiver``'s; with TP,
-        every rank's, from ``kvtransfer.join_descriptors``)."""
+        every rank's, from ``kvtransfer.join_descriptors``). ``deliver``: called on the engine
+        thread with each batch of events, in order (the gRPC servicer's ``deliver`` hands the batch to its
+        asyncio loop in one thread-safe call)."""
         super().__init__("decode-engine", config.log_interval_s)
         self.engine = engine
         self.config = config
@@ -128,9 +131,7 @@ class DecodeLoop(EngineLoop):
         self._retractions_seen = 0
         self._prompt_tokens_seen = 0               # computed here: local prefills and recomputed retractions
         self._outbox: EventBatch = []              # stream events not yet delivered (engine thread)
-        # Called on the engine thread with each batch of events, in order; the gRPC servicer
-        # sets it to hand the batch to its asyncio loop in one thread-safe call.
-        self.deliver: Callable[[EventBatch], None] = deliver_in_place
+        self.deliver = deliver
         metrics.kv_blocks_total.set(engine.stats().kv_blocks_total)
         metrics.read_receiver(receiver.stats)
 

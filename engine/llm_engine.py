@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from engine.block_manager import BlockAllocator
-from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
+from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig, StructuredOutput
 from engine.distributed import Leader, TPGroup
 from engine.kv_cache import KVPool
 from engine.math_utils import cdiv
@@ -37,6 +37,27 @@ class StepOutput:
     new_logprobs: list[dict[int, float]] = field(default_factory=list)
     finished: bool = False
     finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A piece of a prompt one step computes, as a worker role sees it (``step``'s ``step_extra``):
+    tokens ``start`` to ``end`` of the request, whose KV lands in ``block_ids`` (read only)."""
+
+    request_id: str
+    block_ids: list[int]              # the request's blocks so far, the chunk's last one included
+    start: int                        # tokens computed before this chunk
+    end: int                          # tokens computed once it runs
+    completes_prompt: bool            # the prompt's last chunk: the step samples its first token
+
+
+@dataclass(frozen=True)
+class HeldRequest:
+    """A finished request whose blocks ``keep_finished_blocks`` kept until ``release`` (a prefill
+    worker's prompt, while its KV is written to the decode worker)."""
+
+    block_ids: list[int]
+    num_prefix_hit_tokens: int        # prompt tokens that were served from the prefix cache
 
 
 @dataclass(frozen=True)
@@ -176,6 +197,11 @@ class LLMEngine:
         resumed = list(prompt_token_ids[len(prompt_token_ids) - num_resumed:]) if num_resumed else []
         return self.grammars.matcher(constraint, resumed + list(sampled))
 
+    def compile_grammar(self, constraint: StructuredOutput) -> None:
+        """Compile ``constraint`` ahead of its request, so that adding the request does not wait
+        on it; ValueError naming the problem. Thread-safe: servicers call it off the engine thread."""
+        self.grammars.compile(constraint)
+
     def abort_request(self, request_id: str) -> bool:
         if request_id in self.held:
             self.release(request_id)
@@ -185,6 +211,11 @@ class LLMEngine:
             return False
         self.scheduler.abort(request_id)
         return True
+
+    def held_request(self, request_id: str) -> HeldRequest | None:
+        """What ``keep_finished_blocks`` keeps of a finished request; None once released or aborted."""
+        seq = self.held.get(request_id)
+        return None if seq is None else HeldRequest(seq.block_ids, seq.num_prefix_hit_tokens)
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a finished request kept by ``keep_finished_blocks``."""
@@ -266,17 +297,16 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens_total, num_generated_tokens=self.num_generated_tokens_total)
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, after_layer: Callable[[int, ScheduledBatch], None] | None = None,
-             step_extra: Callable[[ScheduledBatch], dict] | None = None) -> list[StepOutput]:
-        """One schedule-run-postprocess round; ``after_layer(i, batch)`` runs once layer i's K/V
-        is cached (see LlamaForCausalLM.forward); ``step_extra(batch)`` is what TP followers
-        get with the step for their own ``after_layer``."""
+    def step(self, after_layer: Callable[[int], None] | None = None,
+             step_extra: Callable[[list[PromptChunk]], dict] | None = None) -> list[StepOutput]:
+        """One schedule-run-postprocess round; ``after_layer(i)`` runs once layer i's K/V is
+        cached (see LlamaForCausalLM.forward); ``step_extra(chunks)``, given the prompt chunks the
+        step computes, is what TP followers get with the step for their own ``after_layer``."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        hook = None if after_layer is None else (lambda i: after_layer(i, batch))
-        extra = None if step_extra is None else step_extra(batch)
-        logits = self.runner.execute(batch, hook, extra)
+        extra = None if step_extra is None else step_extra(_prompt_chunks(batch))
+        logits = self.runner.execute(batch, after_layer, extra)
         sampling = self._sampling_seqs(batch)
         sampled = self.sampler(logits, [_sampling_request(s) for s in sampling])
         return self._postprocess(batch, sampling, sampled)
@@ -336,6 +366,11 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+
+
+def _prompt_chunks(batch: ScheduledBatch) -> list[PromptChunk]:
+    return [PromptChunk(seq.request_id, seq.block_ids, seq.num_computed_tokens, seq.num_computed_tokens + num_new,
+                        seq.num_computed_tokens + num_new == seq.num_tokens) for seq, num_new in batch.prefills]
 
 
 def _sampling_request(seq: Sequence) -> SamplingRequest:

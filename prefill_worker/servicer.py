@@ -88,7 +88,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if job.params.structured is None:
                     jobs.append(job)
                 else:
-                    state.compile_then(self.loop.engine.grammars, job.params.structured,
+                    state.compile_then(self.loop.engine.compile_grammar, job.params.structured,
                                        lambda job=job: self.loop.call(lambda: submit_all([job])),
                                        lambda why, rid=rid: answer([_refused(rid, grpc.StatusCode.INVALID_ARGUMENT,
                                                                              why)], 1))

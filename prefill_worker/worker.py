@@ -21,9 +21,8 @@ from typing import Any
 
 import kvtransfer
 from engine.config import SamplingParams
-from engine.llm_engine import LLMEngine, StepOutput
+from engine.llm_engine import LLMEngine, PromptChunk, StepOutput
 from engine.math_utils import cdiv
-from engine.scheduler import ScheduledBatch
 from prefill_worker.ops import POLL_FIELDS, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
 from prefill_worker.ranks import PrefillRank
 from worker.config import WorkerConfig
@@ -177,7 +176,7 @@ class PrefillLoop(EngineLoop):
     def idle_wait_s(self) -> float:
         return 0.002 if any(j.shipping for j in self.jobs.values()) else 0.05
 
-    def _layer_plan(self, batch: ScheduledBatch) -> dict[str, Any]:
+    def _layer_plan(self, chunks: list[PromptChunk]) -> dict[str, Any]:
         """Before a step: the prompts whose KV is written layer by layer during its forward
         (sent to the followers with the step, so each rank writes its own heads).
 
@@ -189,26 +188,25 @@ class PrefillLoop(EngineLoop):
         the KV only at the notify, which follows them all."""
         self._layer_writes = []
         block_size = self.engine.block_size
-        for seq, num_new in batch.prefills:
-            job = self.jobs.get(seq.request_id)
+        for chunk in chunks:
+            job = self.jobs.get(chunk.request_id)
             if job is None or job.destination is None:
                 continue  # nowhere to send it yet: _ship writes every layer once it is known
-            end = seq.num_computed_tokens + num_new
-            src, dst = self._block_pairs(job, seq.block_ids)
-            upto = cdiv(end, block_size)
+            src, dst = self._block_pairs(job, chunk.block_ids)
+            upto = cdiv(chunk.end, block_size)
             self._layer_writes.append([job.request_id, src[job.next_block:upto], dst[job.next_block:upto]])
-            job.next_block = end // block_size
+            job.next_block = chunk.end // block_size
             job.shipping = True
-            job.layers_shipped = end == seq.num_tokens
+            job.layers_shipped = chunk.completes_prompt
         return {"writes": self._layer_writes}
 
-    def _after_layer(self, layer: int, batch: ScheduledBatch) -> None:
+    def _after_layer(self, layer: int) -> None:
         for request_id, src, dst in self._layer_writes:
             self.rank.write(request_id, [layer], src, dst)
 
     def _ship(self, job: PrefillJob) -> None:
         """Write what the forward pass did not ship yet, then send the first token."""
-        held = self.engine.held.get(job.request_id)  # finished here, blocks kept for the transfer
+        held = self.engine.held_request(job.request_id)  # finished here, blocks kept for the transfer
         if held is None:
             return
         ops: list[MirroredOp] = []

@@ -132,9 +132,11 @@ def test_the_cli_and_controller_import_without_torch():
     assert out.stdout.strip() == "False"
 
 
-# The workers use LLMEngine's own API (reserve/free blocks, add_prefilled, stats(), kv_pool, ...),
-# never the engine's parts: what reaches in cannot be changed behind its back.
-ENGINE_PARTS = {"allocator", "scheduler", "runner"}
+# The workers use LLMEngine's own API (reserve/free blocks, add_prefilled, compile_grammar,
+# held_request, step's PromptChunks, stats(), kv_pool, ...), never the engine's parts or its
+# requests' state: what reaches in cannot be changed behind its back.
+ENGINE_PARTS = {"allocator", "scheduler", "runner", "grammars", "held", "sequences"}
+ENGINE_PART_MODULES = ("engine.scheduler", "engine.sequence", "engine.block_manager", "engine.structured")
 NARROW_API_USERS = ("prefill_worker", "decode_worker", "worker")
 
 
@@ -154,6 +156,9 @@ def test_workers_use_only_the_engines_narrow_api():
     wrong = [f"{path.relative_to(ROOT)}:{lineno} uses {what}"
              for folder in NARROW_API_USERS for path in (ROOT / folder).rglob("*.py")
              for lineno, what in _engine_part_uses(path)]
+    wrong += [f"{path.relative_to(ROOT)}:{lineno} imports {module}"
+              for folder in NARROW_API_USERS for path in (ROOT / folder).rglob("*.py")
+              for module in ENGINE_PART_MODULES for lineno in _imports_of(path, module)]
     assert not wrong, "workers reach into the engine's parts (use LLMEngine's API):\n" + "\n".join(wrong)
 
 

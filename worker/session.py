@@ -31,13 +31,13 @@ class SessionState:
                 self.wake()
         self._reader = asyncio.get_running_loop().create_task(run())
 
-    def compile_then(self, grammars: Any, structured: Any, then: Callable[[], None],
+    def compile_then(self, compile_grammar: Callable[[Any], object], structured: Any, then: Callable[[], None],
                      refuse: Callable[[str], None]) -> None:
-        """Compile ``structured`` off the engine thread, then ``then()``; ``refuse(why)`` when it
-        does not compile (INVALID_ARGUMENT)."""
+        """``compile_grammar(structured)`` (the engine's) off the engine thread, then
+        ``then()``; ``refuse(why)`` when it does not compile (INVALID_ARGUMENT)."""
         async def run() -> None:
             try:
-                await asyncio.to_thread(grammars.compile, structured)
+                await asyncio.to_thread(compile_grammar, structured)
             except ValueError as exc:
                 refuse(str(exc))
                 return

@@ -28,7 +28,7 @@ class _EngineStandIn:
     def __init__(self) -> None:
         self.engine = SimpleNamespace(arch=SimpleNamespace(vocab_size=VOCAB), max_model_len=64)
         self.jobs: dict = {}
-        self.deliver = None          # set by DecodeServicer.attach
+        self.deliver = None          # the servicer's deliver, as DecodeLoop is given it
         self.alive = True
 
     async def run(self, fn):
@@ -49,6 +49,7 @@ def test_one_thread_hop_per_batch_and_a_lagging_stream_gets_its_steps_in_one_mes
         engine = _EngineStandIn()
         servicer = DecodeServicer(PrefillClients())
         servicer.attach(engine)
+        engine.deliver = servicer.deliver
         server = grpc.aio.server()
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
