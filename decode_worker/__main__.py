@@ -38,8 +38,10 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
         descriptor = receiver.descriptor.to_bytes()
         group = engine.tp_group
         if group is not None:   # followers publish their regions once registered
+            store = group.store
+            assert store is not None   # open until the group is closed
             descriptor = kvtransfer.join_descriptors(
-                [descriptor, *(bytes(group.store.get(DESCRIPTOR_KEY.format(rank=r))) for r in range(1, group.size))])
+                [descriptor, *(bytes(store.get(DESCRIPTOR_KEY.format(rank=r))) for r in range(1, group.size))])
     except BaseException:
         engine.close()
         raise
@@ -61,8 +63,11 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
 
 def follow(worker, runner: ModelRunner) -> DecodeRank:
     """A follower rank's receiver, announced to rank 0 through the group's store."""
-    receiver = _receiver(worker, runner.kv_pool, runner.group.rank)
-    runner.group.store.set(DESCRIPTOR_KEY.format(rank=runner.group.rank), receiver.descriptor.to_bytes())
+    group, pool = runner.group, runner.kv_pool
+    assert group is not None and group.store is not None and pool is not None   # a follower's, built
+    receiver = _receiver(worker, pool, group.rank)
+    # torch's stub says str; the store takes bytes as they are.
+    group.store.set(DESCRIPTOR_KEY.format(rank=group.rank), receiver.descriptor.to_bytes())  # type: ignore[arg-type]
     return DecodeRank(receiver)
 
 

@@ -20,6 +20,8 @@ import logging
 import re
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import grpc
 
@@ -59,13 +61,14 @@ class PrefillClients:
     def __init__(self, secret: str | None = None, max_channels: int = MAX_PREFILL_CHANNELS) -> None:
         self._secret = secret
         self._max_channels = max_channels
-        self._open: OrderedDict[str, tuple[grpc.aio.Channel, worker_pb2_grpc.PrefillWorkerStub]] = OrderedDict()
+        # A stub, or one whose every method sends the secret: the same methods either way.
+        self._open: OrderedDict[str, tuple[grpc.aio.Channel, Any]] = OrderedDict()
         self._closing: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def stub(self, address: str) -> worker_pb2_grpc.PrefillWorkerStub:
+    def stub(self, address: str) -> Any:
         error = prefill_address_error(address)
         if error is not None:
             raise ValueError(error)
@@ -74,7 +77,7 @@ class PrefillClients:
             self._open.move_to_end(address)
             return entry[1]
         channel = grpc.aio.insecure_channel(address)
-        stub = worker_pb2_grpc.PrefillWorkerStub(channel)
+        stub: Any = worker_pb2_grpc.PrefillWorkerStub(channel)
         stub = stub if self._secret is None else SecretStub(stub, self._secret)
         self._open[address] = (channel, stub)
         while len(self._open) > self._max_channels:
@@ -168,6 +171,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def deliver(self, batch: EventBatch) -> None:
         """``DecodeLoop``'s ``deliver``: called on the engine thread once per step with every stream's events."""
+        assert self.aio_loop is not None   # set by the Session that brought these requests
         try:
             self.aio_loop.call_soon_threadsafe(_fan_out, batch)
         except RuntimeError:
@@ -175,6 +179,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     # Called on the engine thread when blocks are reserved.
     def send_destination(self, job: DecodeJob, descriptor: bytes) -> None:
+        assert self.aio_loop is not None   # set by the Session that brought the request
         asyncio.run_coroutine_threadsafe(self._send_destination(job, descriptor), self.aio_loop)
 
     async def _send_destination(self, job: DecodeJob, descriptor: bytes) -> None:
@@ -266,15 +271,14 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     jobs.append(job)
                 else:
                     session.compile_then(self.loop.engine.compile_grammar, job.params.structured,
-                                         lambda job=job: admit_compiled(job),
-                                         lambda why, rid=rid: session.refuse(rid, grpc.StatusCode.INVALID_ARGUMENT,
-                                                                             why))
+                                         partial(admit_compiled, job),
+                                         partial(session.refuse, rid, grpc.StatusCode.INVALID_ARGUMENT))
             if jobs:
                 self.loop.call(lambda: admit(jobs))
             for rid in message.abort:
-                job = session.jobs.pop(rid, None)
-                if job is not None:
-                    self._stopped(job, aio_loop)
+                aborted = session.jobs.pop(rid, None)
+                if aborted is not None:
+                    self._stopped(aborted, aio_loop)
 
         session.read(request_iterator, handle)
         try:
@@ -293,6 +297,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     if finished:
                         del session.jobs[rid]
                     if error is not None:
+                        assert error.error is not None   # _response returns the event that failed
                         out = out or worker_pb2.GenerateResponse()
                         out.error_code, out.error = grpc.StatusCode.UNAVAILABLE.value[0], error.error
                         out.error_transient = error.transient

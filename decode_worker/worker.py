@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import kvtransfer
 from decode_worker.ops import POLL_FIELDS, Cancel, Expect, Fence, Poll, Release
@@ -288,6 +289,8 @@ class DecodeLoop(EngineLoop):
                     self._move(job, None)
             elif all_done:
                 payload = self.receiver.result(request_id).payload   # rank 0's notify
+                # Done means the notify came, after _admit reserved the blocks.
+                assert payload is not None and job.reserved_s is not None
                 self.ranks.run([Release(request_id)])
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.reserved_s)
                 problem = self._check_payload(payload)
@@ -381,7 +384,7 @@ class DecodeLoop(EngineLoop):
             self.metrics.retractions.inc(stats.num_retractions - self._retractions_seen)
             self._retractions_seen = stats.num_retractions
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         return {"role": "decode", "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_preallocated": len(self.prealloc), "num_transferring": len(self.transferring),

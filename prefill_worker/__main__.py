@@ -37,7 +37,9 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
 
 
 def follow(worker, runner: ModelRunner) -> PrefillRank:
-    return PrefillRank(runner.kv_pool.tensor, runner.group.rank, runner.group.size, worker.kv_backend,
+    group, pool = runner.group, runner.kv_pool
+    assert group is not None and pool is not None   # a follower's, built
+    return PrefillRank(pool.tensor, group.rank, group.size, worker.kv_backend,
                        stall_s=worker.kv_lease_s, secret=worker.cluster_secret or None)
 
 

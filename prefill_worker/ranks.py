@@ -106,7 +106,10 @@ class PrefillRank(RoleHandler):
         writes = extra.get("writes")
         if not writes:
             return None
-        return lambda layer: [self.write(rid, [layer], src, dst) for rid, src, dst in writes]
+        def write_layer(layer: int) -> None:
+            for rid, src, dst in writes:
+                self.write(rid, [layer], src, dst)
+        return write_layer
 
     def write(self, request_id: str, layers: list[int], src: list[int], dst: list[int]) -> None:
         self._track(request_id, lambda s: s.write(request_id, layers, src, dst))

@@ -10,6 +10,7 @@ KV layout is refused with FAILED_PRECONDITION naming both, and the request is dr
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import grpc
 
@@ -71,6 +72,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             responses = [self._submit(job) for job in jobs]
             aio_loop.call_soon_threadsafe(answer, responses, len(jobs))
 
+        def refuse_compiled(request_id: str, why: str) -> None:   # asyncio thread: its grammar does not compile
+            answer([_refused(request_id, grpc.StatusCode.INVALID_ARGUMENT, why)], 1)
+
         def handle(message: worker_pb2.PrefillSessionRequest) -> None:
             nonlocal outstanding
             jobs = []
@@ -89,13 +93,12 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     jobs.append(job)
                 else:
                     state.compile_then(self.loop.engine.compile_grammar, job.params.structured,
-                                       lambda job=job: self.loop.call(lambda: submit_all([job])),
-                                       lambda why, rid=rid: answer([_refused(rid, grpc.StatusCode.INVALID_ARGUMENT,
-                                                                             why)], 1))
+                                       partial(self.loop.call, partial(submit_all, [job])),
+                                       partial(refuse_compiled, rid))
             if jobs:
                 self.loop.call(lambda: submit_all(jobs))
             for rid in message.abort:
-                self.loop.call(lambda rid=rid: self.loop.abort(rid))
+                self.loop.call(partial(self.loop.abort, rid))
 
         state.read(request_iterator, handle)
         try:

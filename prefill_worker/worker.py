@@ -214,8 +214,10 @@ class PrefillLoop(EngineLoop):
             src, dst = self._block_pairs(job, held.block_ids)
             ops.append(Write(job.request_id, list(range(self.layout.num_layers)), src, dst))
             job.layers_shipped = True
-        token = job.first.new_token_ids[0]
-        entry = job.first.new_logprobs[0] if job.first.new_logprobs else None
+        first = job.first
+        assert first is not None   # shipped only once the prompt is computed
+        token = first.new_token_ids[0]
+        entry = first.new_logprobs[0] if first.new_logprobs else None
         # entry holds the sampled token and the top k; sorted, its first k are the top k.
         top = tuple(sorted(entry.items(), key=lambda kv: -kv[1])[:job.params.logprobs or 0]) if entry else ()
         payload = kvtransfer.NotifyPayload(
@@ -227,6 +229,7 @@ class PrefillLoop(EngineLoop):
 
     def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:
         num_blocks = cdiv(len(job.prompt_token_ids), self.engine.block_size)
+        assert job.destination is not None   # only a job with a destination is written
         return src_block_ids[:num_blocks], job.destination.block_ids[:num_blocks]
 
     def _reap(self) -> None:
@@ -253,6 +256,7 @@ class PrefillLoop(EngineLoop):
                 logger.warning("KV transfer failed request_id=%s: %s", request_id,
                                self.rank.error(request_id) or "failed on another TP rank")
             else:
+                assert job.destination is not None and job.destination_s is not None   # it was shipped
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.destination_s)
                 self.metrics.kv_transfer_bytes.inc(2 * self.layout.num_layers * self.layout.block_nbytes * self.tp_size
                                                    * len(self._block_pairs(job, job.destination.block_ids)[0]))
@@ -287,7 +291,7 @@ class PrefillLoop(EngineLoop):
         self.metrics.prefix_hits.inc(stats.num_prefix_hit_tokens - self._last_prefix[1])
         self._last_prefix = (stats.num_prefix_queried_tokens, stats.num_prefix_hit_tokens)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         return {"role": "prefill", "num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_preallocated": 0, "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),

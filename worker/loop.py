@@ -43,7 +43,7 @@ def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
 
 class EngineLoop(abc.ABC):
     def __init__(self, name: str, log_interval_s: float) -> None:
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Callable[[], object]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -83,8 +83,8 @@ class EngineLoop(abc.ABC):
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the engine thread before its next step."""
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the engine thread before its next step (what it returns is dropped)."""
         self._commands.put(fn)
         self._wake.set()
 
