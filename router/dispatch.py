@@ -9,7 +9,28 @@ the request is dispatched again to a fresh pair with prompt + the tokens already
 the remaining ``max_tokens``, so the caller sees one unbroken token stream with nothing
 duplicated or missing. A prefill worker lost while its request still waits for KV is replaced
 in place (docs/architecture.md#failure-handling): the prompt is re-submitted to another prefill worker and the decode
-worker, keeping its reservation, is told the new source (``DecodeWorker.SetPrefill``).
+worker, keeping its reservation, is told the new source (``DecodeSession.set_prefill``).
+
+An attempt's life is two fields, each with one writer:
+
+    Attempt.stage (how far it got; only forward, Dispatcher._reach):
+        PREFILLING --D sends a token or the finish--------------------------> STREAMING
+            '--SetPrefill finds the KV at D already--> PREFILLED --token-->'
+        A local prefill starts at PREFILLED. Leaving PREFILLING releases P: its part is done.
+
+    Attempt.outcome (how it ended; set once, Attempt.conclude: the first to see an end decides):
+        None --> FINISHED    D sent the finish_reason (``events``)
+             --> BROKEN      ``Attempt.broken`` says how, made where the break is seen: the decode
+                             stream (``events``) or outside it (``_cut``: a worker removed or
+                             drained, a Submit failed, a prefill replacement failed), which
+                             cancels the stream. A cut counts only on a stream still open: one
+                             that already ended (its finish or its error waiting to be read)
+                             ends the attempt its own way.
+             --> ABANDONED   the caller left before either (``_end``)
+
+``_end`` closes an attempt once, whatever its outcome: it releases the workers it still holds
+(their load at the registry) and stops one that did not finish at both workers. The retry
+decision, ``_judge``, reads ``Attempt.broken`` (with the stage, and what the probe found).
 
 A client's request id is a label: the workers see ``<label>.<16 hex>``, 64 random bits drawn per
 request (os.urandom, half a microsecond), unique and unguessable, so a reused client id never
@@ -18,15 +39,16 @@ abort or a redirect at a request it has not seen (the caller keeps using its own
 responses). Retries use ``<internal id>.retry<N>`` so a worker still cleaning up the old
 attempt never sees a clash. A request that fails twice for the same reason (worker addresses
 and ids aside) on different workers -- a poison request, not a bad worker -- is not tried on
-more; a worker removed from the registry is not such a reason, nor a KV transfer that broke (the
-decode worker marks it ``error_transient``: a link or a write, not the request; ``max_attempts``
-still bounds it). The client hears which role
-failed and why, never a worker's address (the log line has it).
+more; a worker removed from the registry (or drained away) is not such a reason, nor a KV
+transfer that broke (the decode worker marks it ``error_transient``: a link or a write, not the
+request; ``max_attempts`` still bounds it). A worker's status outside ``RETRYABLE`` fails the
+request at once. The client hears which role failed and why, never a worker's address (the log
+line has it).
 
 Conditional disaggregation: a prompt of at most ``local_prefill_max_tokens`` tokens (0: none)
 goes to a decode worker alone (``GenerateRequest.local_prefill``), which computes it beside its
 running batch; no prefill worker, no KV transfer. An attempt without a prefill worker has
-``prefill=None`` and ``prefill_done`` from the start.
+``prefill=None`` and starts at ``Stage.PREFILLED``.
 
 Cleanup of an unfinished attempt is synchronous (it runs while the caller is being cancelled):
 cancel the request on D's session and abort it on P's (both only queue a message).
@@ -34,10 +56,11 @@ cancel the request on D's session and abort it on P's (both only queue a message
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -67,30 +90,55 @@ class TokenEvent:
     num_cached_tokens: int = 0
 
 
+class Stage(enum.Enum):
+    """How far an attempt got (``Attempt.stage``); only ``Dispatcher._reach`` moves it, forward."""
+
+    PREFILLING = 1    # P has the prompt; its KV is being computed or is on its way to D
+    PREFILLED = 2     # P's part is over before a token: a local prefill (no P), or the KV reached D
+    STREAMING = 3     # D sent a token or the finish
+
+
+class Outcome(enum.Enum):
+    """How an attempt ended (``Attempt.outcome``), set once by ``Attempt.conclude``."""
+
+    FINISHED = "finished"     # D sent the finish_reason
+    BROKEN = "broken"         # ``Attempt.broken`` says how; ``Dispatcher._judge`` decides what follows
+    ABANDONED = "abandoned"   # the caller left first (cancelled, or closed the stream)
+
+
 @dataclass(frozen=True)
 class Break:
-    """How an attempt broke: the one value the retry decision reads. Made where the break is
-    seen: the decode stream (in ``events``), or from outside it (a worker removed, a failed
-    Submit), which then cancels the stream."""
+    """How an attempt broke: what the retry decision reads. Made where the break is seen (see
+    the module docstring)."""
 
     role: str                                 # the role that broke it
     failure: str                              # what happened, for the log (addresses and ids in it)
-    lost: str | None = None                   # a worker the registry removed: its fault, not the request's
+    lost: str | None = None                   # a worker removed or drained away: its fault, not the request's
     transient: bool = False                   # the decode worker said so (a KV transfer broke)
-    submit_error: grpc.aio.AioRpcError | None = None   # the Submit's own error
+    error: grpc.aio.AioRpcError | None = None   # the worker's status: D's stream's, or P's answer to Submit
 
 
 @dataclass(eq=False)
 class Attempt:
+    """One try of a request on one pair (the life cycle is in the module docstring)."""
+
     request_id: str
-    prefill: WorkerState | None        # None: the decode worker prefills the prompt itself
+    prefill: WorkerState | None            # None: the decode worker prefills the prompt itself
     decode: WorkerState
-    call: SessionCall | None = None
-    submit_request: worker_pb2.SubmitRequest | None = None
-    broken: Break | None = None        # set once, from outside the stream (Dispatcher._cut)
-    prefill_done: bool = False         # first token seen (or attempt over): P no longer involved
-    streamed: bool = False             # D streamed something: P did its part
-    finished: bool = False
+    call: SessionCall                      # the request on D's session
+    submit_request: worker_pb2.SubmitRequest | None   # what P was sent (None with a local prefill)
+    stage: Stage
+    outcome: Outcome | None = None
+    broken: Break | None = None            # with Outcome.BROKEN
+
+    def conclude(self, outcome: Outcome, broken: Break | None = None) -> bool:
+        """Say how the attempt ended (``broken`` with BROKEN). The first call decides; a later
+        one changes nothing and returns False."""
+        assert (outcome is Outcome.BROKEN) == (broken is not None)
+        if self.outcome is not None:
+            return False
+        self.outcome, self.broken = outcome, broken
+        return True
 
 
 @dataclass
@@ -124,7 +172,7 @@ class Dispatcher:
         self.failover_wait_s = failover_wait_s
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.num_waiting = 0          # requests without their first token yet
-        self._attempts: dict[str, set[Attempt]] = {}
+        self._attempts: dict[str, set[Attempt]] = {}   # by worker address: the attempts holding it
         self._background: set[asyncio.Task] = set()
         registry.on_removed(self._worker_removed)
         registry.on_drained(self._worker_drained)
@@ -186,62 +234,40 @@ class Dispatcher:
                             waiting = False
                             self.num_waiting -= 1
                         if token_ids or finish_reason:
-                            attempt.streamed = True
-                            self._prefill_done(attempt)
+                            self._reach(attempt, Stage.STREAMING)
                         progress.output_token_ids += token_ids
                         event = TokenEvent(token_ids, logprobs)
                         if finish_reason:
-                            attempt.finished = True
+                            attempt.conclude(Outcome.FINISHED)
                             event.finish_reason = finish_reason
                             event.num_prompt_tokens = len(progress.prompt_token_ids)
                             event.num_output_tokens = len(progress.output_token_ids)
                             event.num_cached_tokens = response.num_cached_tokens
                         yield event
-                        if attempt.finished:
+                        if attempt.outcome is Outcome.FINISHED:
                             return
-                    brk = Break("decode", "the decode stream ended without a finish_reason")
+                    attempt.conclude(Outcome.BROKEN, Break("decode", "the decode stream ended without a finish_reason"))
                 except grpc.aio.AioRpcError as exc:
-                    if exc.code() not in RETRYABLE:
-                        raise errors.from_worker(exc.code(), exc.details() or "") from None
-                    brk = Break("decode", f"decode stream: {exc.code().name}: {exc.details()}",
-                                transient=isinstance(exc, PeerFailure) and exc.transient)
+                    attempt.conclude(Outcome.BROKEN, Break(
+                        "decode", f"decode stream: {exc.code().name}: {exc.details()}", error=exc,
+                        transient=isinstance(exc, PeerFailure) and exc.transient))
                 except asyncio.CancelledError:
-                    if attempt.broken is None or asyncio.current_task().cancelling():
-                        raise
-                    brk = attempt.broken
-                    error = brk.submit_error
-                    if error is not None and error.code() not in RETRYABLE:
-                        raise errors.from_worker(error.code(), error.details() or "") from None
+                    task = asyncio.current_task()
+                    if attempt.outcome is not Outcome.BROKEN or (task is not None and task.cancelling()):
+                        raise   # the caller's own cancellation, not a cut
                 finally:
                     self._end(attempt)
-                if brk.lost is None and attempt.broken is not None and attempt.broken.lost is not None:
-                    brk = replace(brk, lost=attempt.broken.lost)   # removed while its stream broke
-                avoid |= self._suspects(attempt, brk)
-                await self._diagnose(attempt)
-                if brk.lost is None:
-                    # A killed worker breaks the stream before the registry knows; the probe
-                    # just now removed it: the worker's fault, never a poison request's.
-                    brk = replace(brk, lost=next((w.address for w in (attempt.decode, attempt.prefill)
-                                                  if w is not None and w.removed), None))
-                if brk.lost is None and not brk.transient:
-                    reason = self._reason(brk.failure, attempt, request_id)
-                    if reason in failures:
-                        logger.warning("request_id=%s failed twice for the same reason; not retrying: %s",
-                                       request_id, errors.clip(brk.failure, errors.WORKER_DETAIL_CHARS))
-                        detail = errors.without_addresses(errors.clip(reason, errors.WORKER_DETAIL_CHARS),
-                                                          [w.address for w in self.registry.all()])
-                        raise errors.internal(f"the request failed twice for the same reason on different "
-                                              f"{brk.role} workers; not retrying: {detail}")
-                    failures.add(reason)
+                avoid |= await self._judge(attempt, request_id, failures)
                 if len(progress.output_token_ids) >= progress.max_tokens:
                     # The stream broke after the last token but before its finish message.
                     yield TokenEvent([], [], "length", len(progress.prompt_token_ids),
                                      len(progress.output_token_ids))
                     return
+                failure = attempt.broken.failure if attempt.broken is not None else ""
                 logger.warning("failing over request_id=%s after %d output tokens: %s", request_id,
-                               len(progress.output_token_ids), errors.clip(brk.failure, errors.WORKER_DETAIL_CHARS))
+                               len(progress.output_token_ids), errors.clip(failure, errors.WORKER_DETAIL_CHARS))
                 if self.on_failover is not None:
-                    self.on_failover(brk.failure)
+                    self.on_failover(failure)
             raise errors.unavailable(f"the request failed on {self.max_attempts} worker pairs")
         finally:
             if waiting:
@@ -294,67 +320,74 @@ class Dispatcher:
             params.num_resumed_tokens = len(progress.output_token_ids)
         prefill = None if self._local(progress) else self._pick("prefill", self.prefill_policy, prompt, avoid)
         decode = self._pick("decode", self.decode_policy, prompt, avoid)
-        attempt = Attempt(attempt_id, prefill, decode)
         assert isinstance(decode.session, DecodeSession)
         if prefill is None:
-            attempt.prefill_done = True
-            attempt.call = decode.session.generate(worker_pb2.GenerateRequest(
+            call = decode.session.generate(worker_pb2.GenerateRequest(
                 request_id=attempt_id, prompt_token_ids=prompt, sampling=params, local_prefill=True))
-            workers: tuple[WorkerState, ...] = (decode,)
-        else:
-            attempt.call = decode.session.generate(worker_pb2.GenerateRequest(
-                request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
-            attempt.submit_request = worker_pb2.SubmitRequest(
-                request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
-            self._submit(attempt, attempt.submit_request)
-            workers = (prefill, decode)
-        for worker in workers:
-            worker.num_inflight += 1
-            worker.num_requests += 1
-            self._attempts.setdefault(worker.address, set()).add(attempt)
+            attempt = Attempt(attempt_id, None, decode, call, None, Stage.PREFILLED)
+            self._hold(attempt, decode)
+            return attempt
+        call = decode.session.generate(worker_pb2.GenerateRequest(
+            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, prefill_address=prefill.address))
+        submit_request = worker_pb2.SubmitRequest(
+            request_id=attempt_id, prompt_token_ids=prompt, sampling=params, decode_address=decode.address)
+        attempt = Attempt(attempt_id, prefill, decode, call, submit_request, Stage.PREFILLING)
+        self._submit(attempt, prefill, submit_request)
+        self._hold(attempt, prefill)
+        self._hold(attempt, decode)
         return attempt
 
-    def _submit(self, attempt: Attempt, request: worker_pb2.SubmitRequest) -> None:
-        prefill = attempt.prefill
-        assert prefill is not None
+    def _submit(self, attempt: Attempt, prefill: WorkerState, request: worker_pb2.SubmitRequest) -> None:
         assert isinstance(prefill.session, PrefillSession)
         prefill.session.submit(request, self.rpc_timeout_s).add_done_callback(
             lambda answer: self._submitted(attempt, prefill, answer))
 
     def _submitted(self, attempt: Attempt, prefill: WorkerState, answer: asyncio.Future) -> None:
-        if answer.cancelled() or answer.exception() is None or attempt.finished or attempt.call.done():
+        if answer.cancelled() or answer.exception() is None or attempt.outcome is not None or attempt.call.done():
             return
         self._spawn(self._submit_failed(attempt, prefill, answer.exception()))
 
     async def _submit_failed(self, attempt: Attempt, prefill: WorkerState, exc: grpc.aio.AioRpcError) -> None:
         if exc.code() in RETRYABLE and not await self.registry.probe(prefill.address):
             return  # removed: _worker_removed moves the prompt to another prefill worker
-        if attempt.finished or attempt.call.done():
-            return
         self._cut(attempt, Break("prefill", f"Submit to {prefill.address}: {exc.code().name}: {exc.details()}",
-                                 submit_error=exc))
+                                 error=exc))
 
     @staticmethod
     def _cut(attempt: Attempt, brk: Break) -> None:
-        """Break ``attempt`` from outside its stream: the first break is the one that counts."""
-        if attempt.broken is None:
-            attempt.broken = brk
-            attempt.call.cancel()
+        """Break ``attempt`` from outside its stream: its stream is cancelled, unless it ended
+        already (then its own end is the outcome), or the attempt has an outcome already."""
+        if attempt.outcome is None and attempt.call.cancel():
+            attempt.conclude(Outcome.BROKEN, brk)
 
-    def _prefill_done(self, attempt: Attempt) -> None:
-        if not attempt.prefill_done:
-            attempt.prefill_done = True
-            assert attempt.prefill is not None   # a local prefill starts done
-            attempt.prefill.num_inflight -= 1
-            self._attempts.get(attempt.prefill.address, set()).discard(attempt)
+    def _reach(self, attempt: Attempt, stage: Stage) -> None:
+        """Move ``attempt`` forward to ``stage``; leaving PREFILLING releases P (its part is done)."""
+        if stage.value <= attempt.stage.value:
+            return
+        if attempt.stage is Stage.PREFILLING:
+            assert attempt.prefill is not None   # a local prefill starts at PREFILLED
+            self._release(attempt, attempt.prefill)
+        attempt.stage = stage
+
+    def _hold(self, attempt: Attempt, worker: WorkerState) -> None:
+        """``attempt`` involves ``worker`` now: its load at the registry, and its removal reaches it."""
+        self.registry.hold(worker)
+        self._attempts.setdefault(worker.address, set()).add(attempt)
+
+    def _release(self, attempt: Attempt, worker: WorkerState) -> None:
+        self.registry.release(worker)
+        self._attempts.get(worker.address, set()).discard(attempt)
 
     def _end(self, attempt: Attempt) -> None:
-        self._prefill_done(attempt)
-        attempt.decode.num_inflight -= 1
-        self._attempts.get(attempt.decode.address, set()).discard(attempt)
-        if attempt.finished:
+        """Close ``attempt`` (once: when ``events`` leaves it, or ``abandon``): release the workers
+        it holds; one that did not finish is stopped at both."""
+        attempt.conclude(Outcome.ABANDONED)   # unless it finished or broke
+        if attempt.stage is Stage.PREFILLING:
+            assert attempt.prefill is not None
+            self._release(attempt, attempt.prefill)
+        self._release(attempt, attempt.decode)
+        if attempt.outcome is Outcome.FINISHED:
             return
-        attempt.finished = True
         attempt.call.cancel()   # D aborts it: the abort follows the start on its session stream
         # Abort at P at once too, on its session after the Submit; the decode worker also aborts
         # at P when the request is cancelled there, but that takes a hop and the request may
@@ -363,6 +396,32 @@ class Dispatcher:
         if prefill is not None and not prefill.removed:
             assert isinstance(prefill.session, PrefillSession)
             prefill.session.abort(attempt.request_id)
+
+    # -- after a break ----------------------------------------------------------------------
+    async def _judge(self, attempt: Attempt, request_id: str, failures: set[str]) -> set[str]:
+        """The retry decision on a BROKEN attempt, read from ``attempt.broken``: raises when the
+        request is not to be tried again (a worker's status that no other pair would change, or a
+        poison request: see the module docstring), else returns the workers the next attempt
+        avoids. Probes the pair first, so a dead worker is out before the next pick."""
+        brk = attempt.broken
+        assert attempt.outcome is Outcome.BROKEN and brk is not None
+        if brk.error is not None and brk.error.code() not in RETRYABLE:
+            raise errors.from_worker(brk.error.code(), brk.error.details() or "")
+        suspects = self._suspects(attempt, brk)
+        # A killed worker breaks the stream before the registry knows; the probe removes it:
+        # the worker's fault, never a poison request's.
+        removed = await self._diagnose(attempt)
+        if brk.lost is None and removed is None and not brk.transient:
+            reason = self._reason(brk.failure, attempt, request_id)
+            if reason in failures:
+                logger.warning("request_id=%s failed twice for the same reason; not retrying: %s",
+                               request_id, errors.clip(brk.failure, errors.WORKER_DETAIL_CHARS))
+                detail = errors.without_addresses(errors.clip(reason, errors.WORKER_DETAIL_CHARS),
+                                                  [w.address for w in self.registry.all()])
+                raise errors.internal(f"the request failed twice for the same reason on different "
+                                      f"{brk.role} workers; not retrying: {detail}")
+            failures.add(reason)
+        return suspects
 
     @staticmethod
     def _reason(failure: str, attempt: Attempt, request_id: str) -> str:
@@ -375,26 +434,30 @@ class Dispatcher:
 
     @staticmethod
     def _suspects(attempt: Attempt, brk: Break) -> set[str]:
+        """The workers a break points at: a lost one; P too when its Submit failed or nothing streamed."""
         if brk.lost is not None:
             return {brk.lost}
-        if attempt.prefill is not None and (brk.submit_error is not None or not attempt.streamed):
+        if attempt.prefill is not None and (brk.role == "prefill" or attempt.stage is not Stage.STREAMING):
             return {attempt.prefill.address, attempt.decode.address}
         return {attempt.decode.address}
 
-    async def _diagnose(self, attempt: Attempt) -> None:
-        """Probe the pair after a break so a dead worker is out before the next pick."""
+    async def _diagnose(self, attempt: Attempt) -> str | None:
+        """Probe the pair after a break so a dead worker is out before the next pick; the address
+        of one of them that is removed by now (None: both stay)."""
         probes = [self.registry.probe(attempt.decode.address)]
         if attempt.prefill is not None and attempt.prefill.address != attempt.decode.address:
             probes.append(self.registry.probe(attempt.prefill.address))
         await asyncio.gather(*probes)
+        return next((w.address for w in (attempt.decode, attempt.prefill) if w is not None and w.removed), None)
 
+    # -- a worker leaves --------------------------------------------------------------------
     def _worker_removed(self, worker: WorkerState) -> None:
         self.prefill_policy.forget(worker.address)
         self.decode_policy.forget(worker.address)
         for attempt in list(self._attempts.pop(worker.address, ())):
             if attempt.decode is worker:
                 self._cut(attempt, Break("decode", f"worker {worker.address} was removed", lost=worker.address))
-            elif not attempt.prefill_done:
+            elif attempt.stage is Stage.PREFILLING:
                 # Keep the decode worker's reservation: move the prompt to another prefill worker.
                 self._spawn(self._replace_prefill(attempt, worker))
 
@@ -406,7 +469,7 @@ class Dispatcher:
         if worker.role != "decode" or not self.registry.healthy("decode"):
             return
         moving = [attempt for attempt in self._attempts.get(worker.address, ())
-                  if attempt.decode is worker and attempt.prefill is not None and not attempt.streamed]
+                  if attempt.decode is worker and attempt.prefill is not None and attempt.stage is not Stage.STREAMING]
         if moving:
             logger.info("decode worker %s drains: %d requests without a first token move to other decode workers",
                         worker.address, len(moving))
@@ -417,33 +480,33 @@ class Dispatcher:
     async def _replace_prefill(self, attempt: Attempt, dead: WorkerState) -> None:
         """Re-submit to another prefill worker and point the decode worker at it
         (docs/architecture.md#failure-handling); on any failure fall back to a whole new pair."""
+        assert attempt.submit_request is not None   # a local prefill has no prefill worker to lose
+        lost = Break("prefill", f"worker {dead.address} was removed", lost=dead.address)
         try:
             workers = [w for w in self.registry.healthy("prefill") if w.address != dead.address]
             if not workers:
                 raise errors.unavailable("no other prefill worker is available")
             new = self.prefill_policy.choose(workers, list(attempt.submit_request.prompt_token_ids))
-            await attempt.decode.stub.SetPrefill(worker_pb2.SetPrefillRequest(
-                request_id=attempt.request_id, prefill_address=new.address), timeout=self.rpc_timeout_s)
+            assert isinstance(attempt.decode.session, DecodeSession)
+            await attempt.decode.session.set_prefill(attempt.request_id, new.address, self.rpc_timeout_s)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND and not attempt.finished:
-                attempt.prefill_done = True  # the KV already landed: the decode worker carries on
+            if exc.code() == grpc.StatusCode.NOT_FOUND and attempt.outcome is None:
+                self._reach(attempt, Stage.PREFILLED)   # the KV already landed: the decode worker carries on
                 return
-            self._cut(attempt, Break("prefill", f"worker {dead.address} was removed", lost=dead.address))
+            self._cut(attempt, lost)
             return
         except errors.RouterError:
-            self._cut(attempt, Break("prefill", f"worker {dead.address} was removed", lost=dead.address))
+            self._cut(attempt, lost)
             return
-        if attempt.finished:
-            return
+        if attempt.outcome is not None or attempt.stage is not Stage.PREFILLING:
+            return   # over, or the KV reached D meanwhile
         logger.warning("prefill worker %s lost: request_id=%s moves to %s, keeping its decode reservation",
                        dead.address, attempt.request_id, new.address)
         if self.on_failover is not None:
             self.on_failover(f"prefill worker {dead.address} was removed")
         attempt.prefill = new
-        new.num_inflight += 1
-        new.num_requests += 1
-        self._attempts.setdefault(new.address, set()).add(attempt)
-        self._submit(attempt, attempt.submit_request)
+        self._hold(attempt, new)
+        self._submit(attempt, new, attempt.submit_request)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)

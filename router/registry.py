@@ -156,6 +156,19 @@ class WorkerRegistry:
                 listener(worker)
         return True
 
+    # -- load: the dispatcher's requests on each worker -------------------------------------
+
+    @staticmethod
+    def hold(worker: WorkerState) -> None:
+        """A request the dispatcher sent now involves ``worker`` (``num_inflight``, ``num_requests``)."""
+        worker.num_inflight += 1
+        worker.num_requests += 1
+
+    @staticmethod
+    def release(worker: WorkerState) -> None:
+        """``worker`` is done with a request it held (its part is over, or the request ended)."""
+        worker.num_inflight -= 1
+
     def get(self, address: str) -> WorkerState | None:
         return self._workers.get(address)
 

@@ -9,6 +9,8 @@ completion-queue round per message); per token, a message.
 - ``DecodeSession.generate`` returns a ``SessionCall``, which the dispatcher uses as it would a
   unary-stream call: iterate it for ``GenerateResponse`` messages, ``cancel()`` it (the worker is
   told to abort the request), ``done()``.
+- ``DecodeSession.set_prefill`` points a request still waiting for its KV at another prefill
+  worker (``DecodeWorker.SetPrefill``: a unary call beside the stream, on the same stub).
 - ``PrefillSession.submit`` returns a future of the ``SubmitResponse``; ``abort`` stops the
   request at the prefill worker, without an answer.
 
@@ -99,6 +101,12 @@ class DecodeSession(WorkerSession):
         call = SessionCall(self, request.request_id)
         self._start(request.request_id, request, call)
         return call
+
+    async def set_prefill(self, request_id: str, prefill_address: str, timeout_s: float) -> None:
+        """Have the worker take ``request_id``'s KV from ``prefill_address`` instead, keeping its
+        reservation; raises AioRpcError (NOT_FOUND: the request is past waiting for its KV)."""
+        request = worker_pb2.SetPrefillRequest(request_id=request_id, prefill_address=prefill_address)
+        await self._stub.SetPrefill(request, timeout=timeout_s)
 
     def _message(self, starts, aborts):
         return worker_pb2.DecodeSessionRequest(generate=starts, abort=aborts)
