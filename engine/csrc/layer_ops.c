@@ -12,9 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "avx512.h"
 #include "bf16.h"
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 int tandem_layer_ops_abi_version(void) { return ABI_VERSION; }
@@ -41,6 +42,22 @@ static inline void row_from_f32(const float *restrict src, void *out, int64_t n,
 
 static inline size_t elem_size(int dtype) { return dtype == DTYPE_BFLOAT16 ? 2 : 4; }
 
+/* sum of r[i]^2: 16 running lanes with AVX-512 (a scalar sum is one serial chain of adds). */
+static inline float sum_squares(const float *restrict r, int64_t n) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if HAVE_AVX512
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(r + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; i++) sum += r[i] * r[i];
+    return sum;
+}
+
 /*
  * residual[t] = (residual_in ? residual[t] : 0) + x[t]  (float32, [T, H] contiguous)
  * out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight   (dtype, [T, H] contiguous)
@@ -58,8 +75,7 @@ void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int r
             for (int64_t i = 0; i < hidden; i++) r[i] += xf[i];
         else
             for (int64_t i = 0; i < hidden; i++) r[i] = xf[i];
-        float sum = 0.0f;
-        for (int64_t i = 0; i < hidden; i++) sum += r[i] * r[i];
+        const float sum = sum_squares(r, hidden);
         const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
         for (int64_t i = 0; i < hidden; i++) xf[i] = r[i] * scale * weight[i];
         row_from_f32(xf, (char *)out + (size_t)(t * hidden) * es, hidden, dtype);
@@ -89,6 +105,116 @@ void tandem_rotary(void *x, int64_t row_stride, int64_t num_tokens, int64_t num_
                 o[half + i] = v[half + i] * c[half + i] + v[i] * s[half + i];
             }
             row_from_f32(o, head, head_dim, dtype);
+        }
+    }
+}
+
+/*
+ * Rotary as tandem_rotary on the first num_heads + num_kv_heads heads of each row of qkv (the q
+ * heads, then the k heads), then each token's k and v heads (the num_kv_heads heads after the q
+ * heads, and the num_kv_heads after those) copied to its slot of the caches: k_cache + slots[t]
+ * * k_slot_stride, a slot's heads side by side (num_kv_heads * head_dim elements, the qkv dtype).
+ * One call for what rotary and an index_copy_ into each cache did. Returns how many slots were
+ * outside [0, num_slots) (their tokens are not stored).
+ */
+int tandem_rotary_store_kv(void *qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads,
+                           int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
+                           const float *cos_table, const float *sin_table, const int64_t *slots,
+                           int64_t num_slots, void *k_cache, int64_t k_slot_stride, void *v_cache,
+                           int64_t v_slot_stride, int dtype) {
+    tandem_rotary(qkv, row_stride, num_tokens, num_heads + num_kv_heads, head_dim, positions, cos_table,
+                  sin_table, dtype);
+    const size_t es = elem_size(dtype), kv_bytes = (size_t)(num_kv_heads * head_dim) * es;
+    int bad = 0;
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) {
+            bad++;
+            continue;
+        }
+        const char *row = (const char *)qkv + (size_t)(t * row_stride) * es;
+        const char *k = row + (size_t)(num_heads * head_dim) * es;
+        memcpy((char *)k_cache + (size_t)(slots[t] * k_slot_stride) * es, k, kv_bytes);
+        memcpy((char *)v_cache + (size_t)(slots[t] * v_slot_stride) * es, k + kv_bytes, kv_bytes);
+    }
+    return bad;
+}
+
+#if HAVE_AVX512
+/* e^x for x in float32 range: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
+ * (relative error ~2e-7), times 2^n with scalef (which saturates to 0 and inf at the ends). */
+static inline __m512 exp_512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);   /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512 silu_512(__m512 g) {
+    const __m512 e = exp_512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+static inline __m512 bf16x16_to_f32(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* float32 rounded to the nearest bfloat16 (ties to even), as f32_to_bf16; NaN stays NaN. */
+static inline __m512 round_bf16_512(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    const __m512i quiet = _mm512_or_si512(u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet),
+                                                _mm512_set1_epi32((int)0xffff0000u)));
+}
+#endif
+
+/*
+ * out[t, i] = silu(gate[t, i]) * up[t, i] for gate_up rows [gate | up] (2 * inter elements, rows
+ * row_stride apart); out is [T, inter] contiguous. bfloat16 rounds twice, as torch's
+ * F.silu(gate).mul_(up) on bfloat16 tensors does: silu to bfloat16, then the product.
+ */
+void tandem_silu_mul(const void *gate_up, int64_t row_stride, int64_t num_tokens, int64_t inter, void *out,
+                     int dtype) {
+    const size_t es = elem_size(dtype);
+    for (int64_t t = 0; t < num_tokens; t++) {
+        const char *row = (const char *)gate_up + (size_t)(t * row_stride) * es;
+        char *o = (char *)out + (size_t)(t * inter) * es;
+        int64_t i = 0;
+#if HAVE_AVX512
+        if (dtype == DTYPE_BFLOAT16) {
+            const uint16_t *g = (const uint16_t *)row, *u = g + inter;
+            for (; i + 16 <= inter; i += 16) {
+                const __m512 s = round_bf16_512(silu_512(bf16x16_to_f32(g + i)));
+                const __m512 prod = _mm512_mul_ps(s, bf16x16_to_f32(u + i));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)o + i),
+                                    _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(prod)), 16)));
+            }
+        } else {
+            const float *g = (const float *)row, *u = g + inter;
+            for (; i + 16 <= inter; i += 16)
+                _mm512_storeu_ps((float *)o + i, _mm512_mul_ps(silu_512(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < inter; i++) {
+            if (dtype == DTYPE_BFLOAT16) {
+                const uint16_t *g = (const uint16_t *)row, *u = g + inter;
+                const float gf = bf16_to_f32(g[i]);
+                const float s = bf16_to_f32(f32_to_bf16(gf / (1.0f + expf(-gf))));
+                ((uint16_t *)o)[i] = f32_to_bf16(s * bf16_to_f32(u[i]));
+            } else {
+                const float *g = (const float *)row, *u = g + inter;
+                ((float *)o)[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            }
         }
     }
 }

@@ -16,7 +16,7 @@ from engine.attention.cpu_kernels import CSRC, KernelBuildError, build
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "layer_ops.c"
-ABI_VERSION = 2
+ABI_VERSION = 3
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HIDDEN, MAX_HEAD_DIM = 16384, 1024   # the C side's per-row scratch buffers
 
@@ -35,6 +35,13 @@ class LayerOps:
         self._rotary = lib.tandem_rotary
         self._rotary.argtypes = [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int]
         self._rotary.restype = None
+        self._rotary_store = lib.tandem_rotary_store_kv
+        self._rotary_store.argtypes = [_ptr, _i64, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64,
+                                       _ptr, _i64, _int]
+        self._rotary_store.restype = _int
+        self._silu_mul = lib.tandem_silu_mul
+        self._silu_mul.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int]
+        self._silu_mul.restype = None
 
     @staticmethod
     def supports(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
@@ -56,13 +63,36 @@ class LayerOps:
                    num_tokens, hidden, eps, _DTYPES[x.dtype])
         return out, residual
 
-    def rotary_(self, x: torch.Tensor, num_heads: int, head_dim: int, positions: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """Rotate the first ``num_heads`` heads of every row of ``x`` ([T, >= num_heads * head_dim],
-        rows may be strided) in place; ``cos``/``sin`` are RotaryEmbedding's full tables."""
-        assert x.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
-        self._rotary(x.data_ptr(), x.stride(0), x.shape[0], num_heads, head_dim, positions.data_ptr(),
-                     cos.data_ptr(), sin.data_ptr(), _DTYPES[x.dtype])
+    def rotary_store_kv(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                        positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """Rotate the q and k heads of every ``qkv`` row in place (rotate-half; ``cos``/``sin`` are
+        RotaryEmbedding's full tables), then store each token's k and v heads at ``slots[t]`` of the
+        caches (``[num_blocks, block_size, num_kv_heads, head_dim]``, the qkv dtype). Rows are
+        ``[q heads | k heads | v heads | ...]`` and may be strided. A slot outside the caches is an
+        IndexError, as ``index_copy_`` raises, and nothing is stored for it."""
+        for cache in (k_cache, v_cache):
+            assert cache.dtype == qkv.dtype and cache.stride(2) == head_dim and cache.stride(3) == 1
+            assert cache.stride(0) == cache.shape[1] * cache.stride(1)   # slot s at s * stride(1)
+        assert qkv.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and slots.shape[0] == qkv.shape[0]
+        num_slots = k_cache.shape[0] * k_cache.shape[1]
+        bad = self._rotary_store(qkv.data_ptr(), qkv.stride(0), qkv.shape[0], num_heads, num_kv_heads, head_dim,
+                                 positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), num_slots,
+                                 k_cache.data_ptr(), k_cache.stride(1), v_cache.data_ptr(), v_cache.stride(1),
+                                 _DTYPES[qkv.dtype])
+        if bad:
+            raise IndexError(f"{bad} KV slots outside the cache's {num_slots}")
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of ``gate_up`` rows ``[gate | up]`` (rows may be strided), rounded as
+        torch's ``F.silu(gate).mul_(up)`` rounds in the same dtype."""
+        num_tokens, width = gate_up.shape
+        assert gate_up.stride(1) == 1 and width % 2 == 0
+        out = torch.empty(num_tokens, width // 2, dtype=gate_up.dtype)
+        self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),
+                       _DTYPES[gate_up.dtype])
+        return out
 
 
 @lru_cache(maxsize=1)
@@ -72,3 +102,4 @@ def load() -> LayerOps | None:
     except (KernelBuildError, OSError) as exc:
         logger.warning("fused CPU layer ops unavailable, using torch ops: %s", exc)
         return None
+

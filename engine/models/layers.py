@@ -189,7 +189,8 @@ def apply_rotary(x: torch.Tensor, rope: RopeInputs) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with gate and up projections fused into one matmul."""
+    """SwiGLU with gate and up projections fused into one matmul; ``ops`` (set by
+    ``LlamaForCausalLM.pack_for_cpu``) runs silu(gate) * up as one C call."""
 
     def __init__(self, hidden: int, intermediate: int, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
@@ -197,7 +198,11 @@ class GatedMLP(nn.Module):
         local = tp.split(intermediate)
         self.gate_up_proj = nn.Linear(hidden, 2 * local, bias=False)   # column-parallel
         self.down_proj = nn.Linear(local, hidden, bias=False)          # row-parallel
+        self.ops: LayerOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None and gate_up.dim() == 2:
+            return self.tp.reduce(self.down_proj(self.ops.silu_mul(gate_up)))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.tp.reduce(self.down_proj(F.silu(gate).mul_(up)))

@@ -116,14 +116,15 @@ class Attention(nn.Module):
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
         if self.q_norm is None and self.ops is not None:
-            # q and k heads side by side, rotated in place: [T, H + Hkv, D] of the qkv rows
-            self.ops.rotary_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, rope.positions,
-                             rope.cos_table, rope.sin_table)
+            # rotary of q and k in place and k/v into the cache slots: one C call
+            self.ops.rotary_store_kv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope.positions,
+                                     rope.cos_table, rope.sin_table, meta.slot_mapping, k_cache, v_cache)
             q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
-        elif self.q_norm is None:
+            return self._attend(q, kv_cache, meta)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
             q, k = apply_rotary(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
@@ -133,8 +134,14 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of ``q`` over the cache (this step's K/V already in it), then o_proj."""
+        k_cache, v_cache = kv_cache
+        num_tokens = q.shape[0]
         num_prefill = meta.num_prefill_tokens
         if num_prefill == num_tokens:
             out = self._prefill(q, k_cache, v_cache, meta)
@@ -237,6 +244,8 @@ class LlamaForCausalLM(nn.Module):
             for layer in self.layers:
                 assert isinstance(layer, DecoderLayer)
                 layer.input_layernorm.ops = layer.post_attention_layernorm.ops = layer.self_attn.ops = ops
+                if isinstance(layer.mlp, GatedMLP):
+                    layer.mlp.ops = ops
             self.norm.ops = ops
             self.fused_rotary = not self.config.qk_norm
         count = pack_linears(self.layers)
