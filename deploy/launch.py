@@ -83,6 +83,7 @@ class ServiceProcess:
         return "".join(self._tail)
 
     def _pump_stderr(self) -> None:
+        assert self.proc.stderr is not None   # piped (stderr_tail)
         for raw in iter(self.proc.stderr.readline, b""):
             line = raw.decode(errors="replace")
             self._tail.append(line)
@@ -109,6 +110,7 @@ class ServiceProcess:
         WorkerStartError when the child exited first (its stderr says why)."""
         if self.info:
             return self.info
+        assert self.proc.stdout is not None   # always piped: the ready line comes on it
         fd = self.proc.stdout.fileno()
         deadline = time.monotonic() + timeout_s
         while True:

@@ -316,7 +316,8 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
 
     # Its notice on every connect is noise for `tandem status`.
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-    quiet = {"namespace": NAMESPACE, "logging_level": logging.WARNING, "log_to_driver": may_start and not detach}
+    quiet: dict[str, Any] = {"namespace": NAMESPACE, "logging_level": logging.WARNING,
+                             "log_to_driver": may_start and not detach}
     if address != "local":
         try:
             ray.init(address=address or "auto", **quiet)
@@ -342,7 +343,7 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise ServeError(f"`ray start --head` failed:\n{done.stdout}{done.stderr}")
-    from ray._raylet import Config
+    from ray._raylet import Config  # type: ignore[attr-defined]  # (compiled; no stub)
     Config.initialize("")        # this process imported ray before the mode was set: re-read it
     ray.init(address="auto", **quiet)
     return "started"
@@ -466,7 +467,7 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                      local_prefill=local_prefill > 0,
                      prometheus_sd_file=os.path.abspath(args.prometheus_sd_file) if args.prometheus_sd_file else "",
                      planner=args.planner_config)
-    controller = Controller.options(
+    controller = Controller.options(  # type: ignore[attr-defined]  # a Ray actor class
         name=CONTROLLER_NAME, namespace=NAMESPACE, lifetime="detached", num_cpus=0, max_concurrency=16,
         scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
             spec.router_node_id, soft=False)).remote(spec)

@@ -31,7 +31,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
 
 import orjson
 from fastapi import Depends, FastAPI, Request
@@ -45,7 +46,7 @@ from router.body_check import ChildCheck, SizeLimits, check_sizes
 from router.cluster import cluster_view
 from router.config import RouterConfig
 from router.frontend import Frontend, PreparedRequest, TextChunk
-from router.openai_types import Body, ChatCompletionRequest, CompletionRequest, parse_body
+from router.openai_types import Body, ChatCompletionRequest, CompletionRequest, NamedToolChoice, parse_body
 from router.tool_calls import ToolCall
 from router.tool_choice import AnswerReader, ToolRequest
 
@@ -317,7 +318,7 @@ class HttpApi:
         return await self._json(build, _num_items(chunks))
 
     async def _stream_completion(self, streams, response_id: str, created: int, model: str,
-                                 body: CompletionRequest) -> AsyncIterator[str]:
+                                 body: CompletionRequest) -> AsyncIterator[bytes]:
         finals: list[TextChunk] = []
         offsets = [0] * len(streams)
         try:
@@ -348,7 +349,7 @@ class HttpApi:
     def _tool_request(self, body: ChatCompletionRequest) -> ToolRequest | None:
         choice = body.tool_choice
         return self.frontend.tool_request([t.as_dict() for t in body.tools or ()],
-                                          choice.model_dump() if hasattr(choice, "model_dump") else choice,
+                                          choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
                                           body.parallel_tool_calls)
 
     async def chat(self, request: Request):
@@ -376,7 +377,8 @@ class HttpApi:
         def build() -> tuple[dict, bool]:
             choices = []
             for i, c in enumerate(chunks):
-                message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                finish = c.finish_reason
                 if tools is not None:
                     parsed, finish = AnswerReader(tools).read(c.text, c.finish_reason)
                     message["content"] = (parsed.content or None) if parsed.tool_calls else parsed.content
@@ -390,7 +392,7 @@ class HttpApi:
         return await self._json(build, _num_items(chunks))
 
     async def _stream_chat(self, streams, response_id: str, created: int, model: str,
-                           body: ChatCompletionRequest, tools: ToolRequest | None) -> AsyncIterator[str]:
+                           body: ChatCompletionRequest, tools: ToolRequest | None) -> AsyncIterator[bytes]:
         head = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model}
         finals: list[TextChunk] = []
         readers = [AnswerReader(tools) for _ in streams] if tools is not None else None
@@ -454,16 +456,16 @@ def _with_seed(sampling, seed: int | None, j: int):
     return copy
 
 
-async def _primed(streams: list[AsyncIterator[TextChunk]]) -> list[AsyncIterator[TextChunk]]:
+async def _primed(streams: list[AsyncGenerator[TextChunk, None]]) -> list[AsyncGenerator[TextChunk, None]]:
     """The streams with their first chunk already awaited, so that a constraint the workers refuse
     to compile (INVALID_ARGUMENT before any token) is a 400 here rather than an error event after
     a 200 went out. Only structured requests wait: their grammar is checked by the workers."""
     firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
     try:
         await asyncio.wait(firsts, return_when=asyncio.FIRST_EXCEPTION)
-        failed = next((t for t in firsts if t.done() and t.exception() is not None), None)
-        if failed is not None:
-            raise failed.exception()
+        error = next((e for t in firsts if t.done() and (e := t.exception()) is not None), None)
+        if error is not None:
+            raise error
     except BaseException:
         for task in firsts:
             task.cancel()
@@ -474,7 +476,7 @@ async def _primed(streams: list[AsyncIterator[TextChunk]]) -> list[AsyncIterator
     return [_after(task.result(), stream) for task, stream in zip(firsts, streams)]
 
 
-async def _after(first: TextChunk, rest: AsyncIterator[TextChunk]) -> AsyncIterator[TextChunk]:
+async def _after(first: TextChunk, rest: AsyncGenerator[TextChunk, None]) -> AsyncGenerator[TextChunk, None]:
     try:
         yield first
         async for chunk in rest:

@@ -15,7 +15,7 @@ import contextlib
 import gc
 import json
 from collections.abc import Callable
-from typing import Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -113,7 +113,7 @@ class _SamplingFields(BaseModel):
                           tandem_pb2.StructuredOutputs(json_schema=_schema_text(rf.json_schema.schema_))))
         so = self.structured_outputs
         if so is not None:
-            given = {"json_schema": None if so.json_ is None else _schema_text(so.json_),
+            given: dict[str, Any] = {"json_schema": None if so.json_ is None else _schema_text(so.json_),
                      "json_object": so.json_object or None, "regex": so.regex,
                      "choice": None if so.choice is None else tandem_pb2.Choices(values=so.choice),
                      "grammar": so.grammar}
@@ -122,14 +122,15 @@ class _SamplingFields(BaseModel):
                 raise invalid_request("structured_outputs must set exactly one of json, json_object, regex, choice "
                                       f"and grammar, got {len(given)}", "structured_outputs")
             found.append(("structured_outputs", tandem_pb2.StructuredOutputs(**given)))
-        for param, kind, value in (("guided_json", "json_schema", self.guided_json),
-                                   ("guided_regex", "regex", self.guided_regex),
-                                   ("guided_choice", "choice", self.guided_choice),
-                                   ("guided_grammar", "grammar", self.guided_grammar)):
+        guided: tuple[tuple[str, str, Any], ...] = (("guided_json", "json_schema", self.guided_json),
+                                                     ("guided_regex", "regex", self.guided_regex),
+                                                     ("guided_choice", "choice", self.guided_choice),
+                                                     ("guided_grammar", "grammar", self.guided_grammar))
+        for param, kind, value in guided:
             if value is not None:
-                value = (_schema_text(value) if kind == "json_schema"
-                         else tandem_pb2.Choices(values=value) if kind == "choice" else value)
-                found.append((param, tandem_pb2.StructuredOutputs(**{kind: value})))
+                spec: Any = (_schema_text(value) if kind == "json_schema"
+                             else tandem_pb2.Choices(values=value) if kind == "choice" else value)
+                found.append((param, tandem_pb2.StructuredOutputs(**{kind: spec})))
         if not found:
             return None
         if len(found) > 1:
@@ -179,7 +180,7 @@ class CompletionRequest(_SamplingFields):
 
     def prompts(self) -> list[tuple[str, list[int]]]:
         """(text, token_ids) per prompt of the batch."""
-        p = self.prompt
+        p: Any = self.prompt   # a str or a list, which of the three kinds is checked below
         if isinstance(p, str):
             return [(p, [])]
         if not p:
@@ -224,7 +225,7 @@ class ChatMessage(BaseModel):
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name:
             message["name"] = self.name
         if self.tool_calls:

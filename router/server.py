@@ -133,6 +133,7 @@ class Router:
         self._started = False
         if self._http is not None:
             self._http.should_exit = True
+            assert self._http_task is not None   # started with the server
             await asyncio.gather(self._http_task, return_exceptions=True)
         if self._grpc is not None:
             await self._grpc.stop(grace=1.0)

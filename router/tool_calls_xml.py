@@ -29,6 +29,11 @@ _PARAMETER = re.compile(r"<parameter=([^>\s]{1,256})>(.*?)</parameter>", re.DOTA
 _JSON_TYPES = frozenset(("integer", "number", "boolean", "object", "array", "null"))
 
 
+def _first_type(schema_type: object) -> object:
+    """A JSON schema's ``type``, the first one where it lists several."""
+    return schema_type[0] if isinstance(schema_type, list) and schema_type else schema_type
+
+
 def _value(text: str, schema_type) -> object:
     if text.startswith("\n"):
         text = text[1:]
@@ -53,8 +58,7 @@ class Qwen3CoderParser(HermesParser):
             function = tool.get("function", {})
             properties = (function.get("parameters") or {}).get("properties") or {}
             self._types[function.get("name", "")] = {
-                p: (s.get("type")[0] if isinstance(s.get("type"), list) and s.get("type") else s.get("type"))
-                for p, s in properties.items() if isinstance(s, dict)}
+                p: _first_type(s.get("type")) for p, s in properties.items() if isinstance(s, dict)}
 
     @classmethod
     def for_tools(cls, tools: tuple[dict, ...]) -> Qwen3CoderParser:

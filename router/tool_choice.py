@@ -78,6 +78,7 @@ class ToolRequest:
     def forced_schema(self) -> dict | None:
         """The JSON schema the output must follow under ``required`` or a named choice."""
         if self.choice == "function":
+            assert self.function_name is not None   # set with the "function" choice
             return _parameters(self._function(self.function_name))
         if self.choice != "required":
             return None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from deploy.bench.config import EndpointConfig
 from deploy.bench.datasets import BenchRequest
@@ -142,7 +143,7 @@ class GrpcBackend:
         self._errors = (TandemError,)
 
     async def send(self, request: BenchRequest, record: RequestRecord) -> None:
-        sampling = {"max_tokens": request.max_tokens, "temperature": self._endpoint.temperature}
+        sampling: dict[str, Any] = {"max_tokens": request.max_tokens, "temperature": self._endpoint.temperature}
         if self._endpoint.ignore_eos:
             sampling["ignore_eos"] = True
         timer = _Timer()

@@ -151,6 +151,7 @@ def jsonl_requests(path: str | Path, encode, num_prompts: int | None, default_ma
 def load_requests(config: WorkloadConfig, tokenizer) -> list[BenchRequest]:
     """The workload ``config`` describes, tokenized with ``tokenizer`` (an engine.tokenizer.Tokenizer)."""
     if config.dataset == "jsonl":
+        assert config.dataset_path is not None   # WorkloadConfig requires it for jsonl
         return jsonl_requests(config.dataset_path, lambda t: tokenizer.encode(t, add_special_tokens=False),
                               config.num_prompts, config.output_len)
     n = config.num_prompts or DEFAULT_NUM_PROMPTS

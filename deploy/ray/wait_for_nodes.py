@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     wanted = expected_nodes(yaml.safe_load(args.config.read_text()))
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)  # type: ignore[arg-type]  # a name works too
     started = time.monotonic()
     last_note = started
     try:

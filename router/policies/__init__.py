@@ -26,7 +26,7 @@ def make_policy(name: str, seed: int | None = None) -> Policy:
     from router.policies.power_of_two import PowerOfTwo
     from router.policies.round_robin import RoundRobin
 
-    policies = {"round_robin": RoundRobin, "least_load": LeastLoad, "cache_aware": CacheAware}
+    policies: dict[str, type[Policy]] = {"round_robin": RoundRobin, "least_load": LeastLoad, "cache_aware": CacheAware}
     if name == "power_of_two":
         return PowerOfTwo(seed=seed)
     if name not in policies:
