@@ -70,7 +70,7 @@ from protos.streams import PeerFailure
 from protos.tandem.v1 import worker_pb2
 from router import errors
 from router.policies import Policy
-from router.registry import WorkerRegistry, WorkerState
+from router.registry import WorkerRegistry, WorkerState, cancel_requested
 from router.session import DecodeSession, PrefillSession, SessionCall
 
 logger = logging.getLogger(__name__)
@@ -252,8 +252,7 @@ class Dispatcher:
                         "decode", f"decode stream: {exc.code().name}: {exc.details()}", error=exc,
                         transient=isinstance(exc, PeerFailure) and exc.transient))
                 except asyncio.CancelledError:
-                    task = asyncio.current_task()
-                    if attempt.outcome is not Outcome.BROKEN or (task is not None and task.cancelling()):
+                    if attempt.outcome is not Outcome.BROKEN or cancel_requested():
                         raise   # the caller's own cancellation, not a cut
                 finally:
                     self._end(attempt)

@@ -51,6 +51,14 @@ GONE = frozenset({grpc.StatusCode.UNAVAILABLE})   # the only codes that say a wo
 REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
+def cancel_requested() -> bool | None:
+    """Whether the running task itself has been asked to cancel (``Task.cancelling``), as opposed
+    to a CancelledError raised inside a call whose channel or stream something else closed; None
+    on Python 3.10, which cannot tell (callers then decide from what they know closed the call)."""
+    cancelling = getattr(asyncio.current_task(), "cancelling", None)
+    return None if cancelling is None else bool(cancelling())
+
+
 @dataclass(eq=False)
 class WorkerState:
     role: str
@@ -200,7 +208,8 @@ class WorkerRegistry:
         try:
             stats = await worker.stub.Stats(worker_pb2.StatsRequest(), timeout=self.heartbeat_timeout_s)
         except asyncio.CancelledError:
-            if asyncio.current_task().cancelling():
+            requested = cancel_requested()
+            if requested or (requested is None and not worker.removed):
                 raise
             # Not us: `remove` closed the channel under this call (another probe found it dead).
             # A CancelledError escaping here would end the caller's HTTP stream mid-response.

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 from protos.tandem.v1 import worker_pb2
+from router import registry as registry_module
 from router.dispatch import Attempt, Break, Dispatcher, Outcome, Stage
 from router.policies import make_policy
-from router.registry import WorkerRegistry, WorkerState
+from router.registry import WorkerRegistry, WorkerState, cancel_requested
 from router.session import SessionCall
 
 
@@ -82,3 +83,39 @@ def test_leaving_prefilling_releases_the_prefill_worker_once_and_the_end_the_dec
     assert (prefill.num_inflight, prefill.num_requests) == (0, 1)
     assert (attempt.decode.num_inflight, attempt.decode.num_requests) == (0, 1)
     assert dispatcher._attempts == {"p:1": set(), "d:1": set()}
+
+
+def test_cancel_requested_tells_the_tasks_own_cancel_from_a_closed_call():
+    async def main() -> tuple[bool | None, bool | None]:
+        async def closed_under_us() -> bool | None:
+            inner = asyncio.get_running_loop().create_future()
+            inner.cancel()                   # as a closed channel cancels the call awaited
+            try:
+                await inner
+            except asyncio.CancelledError:
+                return cancel_requested()
+            return None
+
+        async def cancelled() -> bool | None:
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                return cancel_requested()
+            return None
+
+        task = asyncio.ensure_future(cancelled())
+        await asyncio.sleep(0)
+        task.cancel()
+        return await closed_under_us(), await task
+
+    assert asyncio.run(main()) == (False, True)
+
+
+def test_cancel_requested_is_unknown_on_a_python_without_task_cancelling(monkeypatch):
+    """Python 3.10 (the GPU cluster image's) has no Task.cancelling: calling it there raised
+    AttributeError inside the failover path."""
+    class Python310Task:
+        pass
+
+    monkeypatch.setattr(registry_module.asyncio, "current_task", lambda: Python310Task())
+    assert cancel_requested() is None
