@@ -180,6 +180,8 @@ class ProcessHost:
 
     def poll_ready(self, timeout_s: float = 0.5) -> dict[str, Any] | None:
         """The ready line once it came; raises (with the stderr tail) when the child died first."""
+        if self.proc is None:
+            raise RuntimeError(f"{self.name}: poll_ready before start")
         return self.proc.poll_ready(timeout_s)
 
     def returncode(self) -> int | None:
@@ -450,7 +452,7 @@ class Controller:
     def _start_router(self) -> None:
         spec = self.spec
         node_id = self._router_node_id()
-        host = ProcessHost.options(
+        host = ProcessHost.options(  # type: ignore[attr-defined]  # added by ray.remote
             **HOST_OPTIONS, num_cpus=spec.router_cpus, name=None,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
             if node_id else "DEFAULT").remote("router")
@@ -756,8 +758,10 @@ class Controller:
         self._place(r)
         strategy = [PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=i) for i in range(r.tp)]
         bundle = self._bundle()
-        r.hosts = [ProcessHost.options(**HOST_OPTIONS, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                                       scheduling_strategy=strategy[i]).remote(f"{r.id} rank {i}")
+        # ProcessHost.options: added by ray.remote, which the type checker does not see
+        r.hosts = [ProcessHost.options(  # type: ignore[attr-defined]
+                       **HOST_OPTIONS, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                       scheduling_strategy=strategy[i]).remote(f"{r.id} rank {i}")
                    for i in range(r.tp)]
         node = ray.get(r.hosts[0].node.remote())
         r.node = node["ip"]
@@ -782,9 +786,10 @@ class Controller:
             pending = [i for i, info in enumerate(infos) if info is None]
             for i, info in zip(pending, ray.get([r.hosts[i].poll_ready.remote(0.5) for i in pending])):
                 infos[i] = info
-        r.address = infos[0]["grpc"]
-        r.metrics = infos[0].get("metrics") or ""
-        r.pids = [info["pid"] for info in infos]
+        ready = [info for info in infos if info is not None]   # all of them, by the loop above
+        r.address = ready[0]["grpc"]
+        r.metrics = ready[0].get("metrics") or ""
+        r.pids = [info["pid"] for info in ready]
         self._register(r)
         # Traffic comes only after the router's heartbeat found it healthy.
         while True:
@@ -803,7 +808,7 @@ class Controller:
         raises once the controller stops."""
         if ref is None:
             self._stopping.wait(timeout_s)
-            ready = []
+            ready: list = []
         else:
             ready, _ = ray.wait([ref], timeout=timeout_s)
         if self._stopping.is_set():

@@ -86,6 +86,10 @@ class SecretStub:
         for name, method in vars(stub).items():
             setattr(self, name, functools.partial(method, metadata=metadata(secret)))
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for names ``__init__`` did not set (the type checker's view of the stub's methods)."""
+        raise AttributeError(f"{type(self).__name__} has no method {name!r}")
+
 
 def check(invocation_metadata: Iterable[tuple[str, Any]] | None, secret: str | None,
           missing: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED) -> tuple[grpc.StatusCode, str] | None:

@@ -190,7 +190,8 @@ class WorkerRegistry:
     @property
     def max_model_len(self) -> int | None:
         """The smallest max_model_len any healthy worker reported (None before the first answer)."""
-        lens = [w.stats.max_model_len for w in self._workers.values() if w.healthy and w.stats.max_model_len]
+        lens = [w.stats.max_model_len for w in self._workers.values()
+                if w.healthy and w.stats is not None and w.stats.max_model_len]
         return min(lens) if lens else None
 
     # -- heartbeats -------------------------------------------------------------------------
@@ -216,12 +217,15 @@ class WorkerRegistry:
             worker.missed += 1
             return "channel closed"
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
-            code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+            if isinstance(exc, grpc.aio.AioRpcError):
+                code, said = exc.code(), f"{exc.code().name}: {exc.details()}"
+            else:
+                code, said = grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED.name
             if code in GONE:
                 worker.missed += 1
-                return f"{code.name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError) else code.name
+                return said
             if code in REFUSED:
-                self._refuse(worker, f"it refused the router's cluster secret ({code.name}: {exc.details()})")
+                self._refuse(worker, f"it refused the router's cluster secret ({said})")
                 return None
             worker.missed = 0
             worker.late += 1
