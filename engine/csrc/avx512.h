@@ -5,6 +5,20 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define HAVE_AVX512 1
+
+/* e^f * 2^n for a reduced argument |f| <= ln2 / 2: a degree-6 Taylor polynomial (relative error
+ * ~2e-7), scaled with scalef (which saturates to 0 and inf). The exp kernels reduce their
+ * argument to (f, n) and end here. */
+static inline __m512 exp_reduced_512(__m512 f, __m512 n) {
+    __m512 p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
 #else
 #define HAVE_AVX512 0
 #endif

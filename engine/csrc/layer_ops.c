@@ -140,21 +140,14 @@ int tandem_rotary_store_kv(void *qkv, int64_t row_stride, int64_t num_tokens, in
 }
 
 #if HAVE_AVX512
-/* e^x for x in float32 range: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial
- * (relative error ~2e-7), times 2^n with scalef (which saturates to 0 and inf at the ends). */
+/* e^x for x in float32 range: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts), then
+ * exp_reduced_512. */
 static inline __m512 exp_512(__m512 x) {
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);   /* ln2 in two parts */
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return exp_reduced_512(r, n);
 }
 
 static inline __m512 silu_512(__m512 g) {
