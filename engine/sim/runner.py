@@ -83,18 +83,38 @@ class SimRunner:
         # slot = block_id * block_size + offset within the block
         return seq.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _write(self, seq: Sequence, start: int, end: int) -> None:
-        """The KV of positions [start, end): (token, position) in K, the chained digest in V."""
-        digest = DIGEST_SEED if start == 0 else int(self._values[self._slot(seq, start - 1), V_DIGEST])
-        slots, keys, values = [], [], []
-        for position, token_id in enumerate(seq.all_token_ids[start:end], start):
-            digest = chain(digest, token_id)
-            slots.append(self._slot(seq, position))
-            keys.append((token_id, position, 0, 0))
-            values.append((digest, 0, 0, 0))
+    def _write(self, spans: list[tuple[Sequence, int, int]]) -> None:
+        """The KV of each span's positions [start, end): (token, position) in K, the chained
+        digest in V. One gather and one scatter per step, not per sequence: with ~100 decode
+        sequences a step's per-sequence tensor calls were most of a simulated worker's CPU."""
+        continued = [(seq, start) for seq, start, _ in spans if start > 0]
+        previous = self._values[self._slots(continued, -1), V_DIGEST].tolist() if continued else []
+        digests = iter(previous)
+        slots: list[int] = []
+        token_ids: list[int] = []
+        positions: list[int] = []
+        chained: list[int] = []
+        for seq, start, end in spans:
+            digest = next(digests) if start > 0 else DIGEST_SEED
+            for position, token_id in enumerate(_token_ids(seq, start, end), start):
+                digest = chain(digest, token_id)
+                slots.append(self._slot(seq, position))
+                token_ids.append(token_id)
+                positions.append(position)
+                chained.append(digest)
+        if not slots:
+            return
         index = torch.tensor(slots, dtype=torch.long)
-        self._keys[index] = torch.tensor(keys, dtype=torch.int32)
-        self._values[index] = torch.tensor(values, dtype=torch.int32)
+        keys = torch.zeros(len(slots), SIM_HEAD_DIM, dtype=torch.int32)
+        keys[:, K_TOKEN] = torch.tensor(token_ids, dtype=torch.int32)
+        keys[:, K_POSITION] = torch.tensor(positions, dtype=torch.int32)
+        values = torch.zeros(len(slots), SIM_HEAD_DIM, dtype=torch.int32)
+        values[:, V_DIGEST] = torch.tensor(chained, dtype=torch.int32)
+        self._keys[index] = keys
+        self._values[index] = values
+
+    def _slots(self, at: list[tuple[Sequence, int]], offset: int) -> torch.Tensor:
+        return torch.tensor([self._slot(seq, position + offset) for seq, position in at], dtype=torch.long)
 
     def _next_tokens(self, seqs: list[Sequence]) -> list[int]:
         """Each sequence's next token, from the digest of its original prompt (a resumed
@@ -118,16 +138,18 @@ class SimRunner:
         the real runner's row order: prefills that complete their prompt, then decodes."""
         started = time.perf_counter()
         sampling = []
+        spans = []
         for seq, num_new in batch.prefills:
             end = seq.num_computed_tokens + num_new
-            self._write(seq, seq.num_computed_tokens, end)
+            spans.append((seq, seq.num_computed_tokens, end))
             if end == seq.num_tokens:
                 sampling.append(seq)
         num_context_tokens = 0
         for seq in batch.decodes:
-            self._write(seq, seq.num_tokens - 1, seq.num_tokens)
+            spans.append((seq, seq.num_tokens - 1, seq.num_tokens))
             num_context_tokens += seq.num_tokens
             sampling.append(seq)
+        self._write(spans)
         token_ids = self._next_tokens(sampling)
         if after_layer is not None:
             after_layer(0)   # the one layer's KV is in place: a prefill worker ships it now
@@ -141,3 +163,14 @@ class SimRunner:
         if self.kv_pool is not None:
             self.kv_pool.close()
             self.kv_pool = None
+
+
+def _token_ids(seq: Sequence, start: int, end: int) -> list[int]:
+    """``seq.all_token_ids[start:end]`` without building the whole list (a decode step asks
+    for one token of a sequence thousands long)."""
+    num_prompt = len(seq.prompt_token_ids)
+    if start >= num_prompt:
+        return seq.output_token_ids[start - num_prompt:end - num_prompt]
+    if end <= num_prompt:
+        return seq.prompt_token_ids[start:end]
+    return seq.prompt_token_ids[start:] + seq.output_token_ids[:end - num_prompt]
