@@ -191,6 +191,8 @@ class Scheduler:
 
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register the sequence's newly full, computed blocks in the prefix cache."""
+        if seq.num_computed_tokens // self.block_size <= seq.num_cached_blocks:
+            return   # no block filled since the last call (most decode steps): skip copying the tokens
         seq.num_cached_blocks = self.allocator.cache_full_blocks(
             seq.block_ids, seq.all_token_ids[:seq.num_computed_tokens], seq.num_cached_blocks, _salt(seq))
 
