@@ -98,6 +98,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                         f"worker itself, with no prefill worker or KV transfer; 0: never (default: "
                         f"{CPU_LOCAL_PREFILL_MAX_TOKENS} on a one-node CPU-only deployment, where decode then runs "
                         "on all of the cores, else 0)")
+    p.add_argument("--drain-move-after-s", type=float, default=None, metavar="S",
+                   help="a decode worker scaled down (by `tandem scale` or the planner) moves the streams it still "
+                        "runs S seconds into its drain to other workers, which prefill their prompt and output "
+                        "again (a recompute), so the scale-down takes effect then; default: they finish there")
     p.add_argument("--cpus-per-worker", type=float, default=0.1,
                    help="Ray CPU demand per worker rank on CPU-only clusters (default 0.1, so router + 2 "
                         "workers fit on 2 cores); GPU clusters reserve 1 GPU + 1 CPU per rank")
@@ -405,6 +409,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     args.model = config_from_args(ModelConfig, args).model
     if args.prefill < 1 or args.decode < 1:
         raise ServeError(f"--prefill and --decode must be >= 1, got {args.prefill} and {args.decode}")
+    if args.drain_move_after_s is not None and not args.drain_move_after_s >= 0:
+        raise ServeError(f"--drain-move-after-s must be >= 0, got {args.drain_move_after_s}")
     arch, model_path = check_model(args, tp)
     check_ports(args.host, {"--http-port": args.http_port, "--grpc-port": args.grpc_port})
     knobs = worker_flags(args)             # builds, and so checks, every engine config before Ray starts
@@ -449,6 +455,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                     "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
                     "--local-prefill-max-tokens", str(local_prefill),
                     *public_api_flags(args)]
+    if args.drain_move_after_s is not None:
+        router_flags += ["--drain-move-after-s", str(args.drain_move_after_s)]
     if is_hub_id(args.model) and not Path(args.model).exists():
         # The router runs on this node: it reads the snapshot check_model resolved (the last
         # --model wins) and answers to the id.

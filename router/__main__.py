@@ -46,6 +46,10 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--max-attempts", type=int, default=d.max_attempts)
     p.add_argument("--failover-wait-s", type=float, default=d.failover_wait_s,
                    help="how long a failing-over request waits for a healthy worker of each role")
+    p.add_argument("--drain-move-after-s", type=float, default=d.drain_move_after_s, metavar="S",
+                   help="a draining decode worker's streams still running S seconds after the drain began resume "
+                        "on other pairs (their prompt and output prefilled again), so a scale-down ends then; "
+                        "default: they finish where they run")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
@@ -61,7 +65,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         allowed_hosts=tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip()),
                         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_timeout_s=args.heartbeat_timeout_s,
                         max_missed_heartbeats=args.max_missed_heartbeats, max_attempts=args.max_attempts,
-                        failover_wait_s=args.failover_wait_s,
+                        failover_wait_s=args.failover_wait_s, drain_move_after_s=args.drain_move_after_s,
                         local_prefill_max_tokens=args.local_prefill_max_tokens, tool_call_parser=args.tool_call_parser,
                         enable_auto_tool_choice=args.enable_auto_tool_choice,
                         http_header_timeout_s=args.http_header_timeout_s, http_body_timeout_s=args.http_body_timeout_s,

@@ -44,6 +44,8 @@ class RouterConfig:
     rpc_timeout_s: float = 30.0            # a Submit's answer on P's session; DecodeWorker.SetPrefill
     failover_wait_s: float = 60.0          # a failing-over request waits this long for a worker of each
     #                                        role to be healthy again (the controller restarting one)
+    drain_move_after_s: float | None = None   # a draining decode worker's streams still running this long
+    #                                        after the drain began resume on other pairs (None = they finish there)
     local_prefill_max_tokens: int = 0      # conditional disaggregation: prompts of at most this many tokens
     #                                        are prefilled by their decode worker, no prefill worker (0 = never)
     tool_call_parser: str = ""             # how the model writes tool calls (TOOL_CALL_PARSERS); "" = read
@@ -78,6 +80,9 @@ class RouterConfig:
             raise ValueError(f"max_missed_heartbeats must be >= 1, got {self.max_missed_heartbeats}")
         if self.failover_wait_s < 0:
             raise ValueError(f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
+        if self.drain_move_after_s is not None and not self.drain_move_after_s >= 0:
+            raise ValueError(f"drain_move_after_s must be >= 0 (or unset: streams finish where they run), "
+                             f"got {self.drain_move_after_s}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.max_attempts < 1:

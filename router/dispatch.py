@@ -162,7 +162,7 @@ class Dispatcher:
     def __init__(self, registry: WorkerRegistry, prefill_policy: Policy, decode_policy: Policy,
                  max_attempts: int = 4, rpc_timeout_s: float = 30.0,
                  on_failover: Callable[[str], None] | None = None, failover_wait_s: float = 0.0,
-                 local_prefill_max_tokens: int = 0) -> None:
+                 local_prefill_max_tokens: int = 0, drain_move_after_s: float | None = None) -> None:
         self.registry = registry
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
@@ -171,6 +171,8 @@ class Dispatcher:
         self.on_failover = on_failover
         self.failover_wait_s = failover_wait_s
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.drain_move_after_s = drain_move_after_s
+        self._movers: set[asyncio.Task] = set()        # drains waiting to move their streams (_move_streams)
         self.num_waiting = 0          # requests without their first token yet
         self._attempts: dict[str, set[Attempt]] = {}   # by worker address: the attempts holding it
         self._background: set[asyncio.Task] = set()
@@ -275,6 +277,8 @@ class Dispatcher:
     async def close(self) -> None:
         """Wait for the background tasks: failed Submits being probed, prefill replacements
         (call after the servers stopped taking requests)."""
+        for task in list(self._movers):
+            task.cancel()
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
 
@@ -474,6 +478,25 @@ class Dispatcher:
                         worker.address, len(moving))
         for attempt in moving:
             self._cut(attempt, Break("decode", f"worker {worker.address} drains: moved before its first token",
+                                     lost=worker.address))
+        if self.drain_move_after_s is not None:
+            mover = self._spawn(self._move_streams(worker, self.drain_move_after_s))
+            self._movers.add(mover)
+            mover.add_done_callback(self._movers.discard)
+
+    async def _move_streams(self, worker: WorkerState, after_s: float) -> None:
+        """``after_s`` into a decode worker's drain, the streams it still runs resume on other
+        pairs as a failover does (prompt + the tokens streamed, prefilled again: a recompute, as
+        vLLM's preemption), so a scale-down ends then, not when its longest stream ends."""
+        await asyncio.sleep(after_s)
+        if worker.removed or not self.registry.healthy("decode"):
+            return
+        moving = [attempt for attempt in self._attempts.get(worker.address, ()) if attempt.decode is worker]
+        if moving:
+            logger.info("decode worker %s drained for %.1f s: %d running streams move to other decode workers",
+                        worker.address, after_s, len(moving))
+        for attempt in moving:
+            self._cut(attempt, Break("decode", f"worker {worker.address} drains: moved after {after_s:g} s",
                                      lost=worker.address))
 
     async def _replace_prefill(self, attempt: Attempt, dead: WorkerState) -> None:

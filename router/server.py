@@ -67,7 +67,8 @@ class Router:
                                      c.max_attempts, c.rpc_timeout_s,
                                      on_failover=lambda _: self.metrics.failovers.inc(),
                                      failover_wait_s=c.failover_wait_s,
-                                     local_prefill_max_tokens=c.local_prefill_max_tokens)
+                                     local_prefill_max_tokens=c.local_prefill_max_tokens,
+                                     drain_move_after_s=c.drain_move_after_s)
         self.metrics = RouterMetrics(lambda: self.dispatcher.num_waiting)
         self.frontend = Frontend(self.tokenizer, self.registry, self.dispatcher, self.metrics, c)
         logger.info("%s", self.frontend.tool_format.describe())
