@@ -35,6 +35,12 @@ prints one table. Every number is measured in this run (phase 3 runs first, on a
     python benchmarks/scale_sim.py [--slowdown 1] [--prefill 2] [--decode 8] [--streams 1000,5000] \
         [--scale 8,32,8] [--kills 0] [-- extra `tandem serve` flags]
 
+Every prompt takes the P/D path (``--local-prefill-max-tokens 0`` unless given after ``--``: on one
+CPU node serve would otherwise prefill short prompts at the decode worker). At the start, after
+the held streams and after each phase the output records the load average, MemAvailable, the
+controller's reconcile tick times (``tandem status``'s ``reconcile``) and the simulated workers'
+mean anon RSS.
+
 Everything listens on 127.0.0.1. The deployment is stopped with Ctrl-C (SIGINT) even on errors.
 Exit status 0 when no phase had a failed or differing stream.
 """
@@ -78,6 +84,22 @@ def cpu_s(pid: int) -> float:
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat.rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def machine() -> dict:
+    """The node's load average (1, 5, 15 min) and available memory, read now."""
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return {"loadavg": [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]],
+            "mem_available_mib": int(meminfo["MemAvailable"].split()[0]) // 1024}
+
+
+def snapshot(dep: Deployment) -> dict:
+    """``machine()``, the controller's reconcile ticks (``tandem status``) and the simulated
+    workers' own memory (anon RSS: what each holds apart from shared library pages)."""
+    status = dep.status()
+    anon = [m["anon"] for w in status["workers"] if (m := rss_mib(w["pid"]))]
+    return {**machine(), "reconcile": status.get("reconcile"), "workers": len(status["workers"]),
+            "worker_anon_mib_mean": sum(anon) / len(anon) if anon else None}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -226,6 +248,7 @@ async def phase_ramp(http: str, model: str, router_pid: int, args: argparse.Name
 
 async def phase_hold(http: str, model: str, router_pid: int, k: int, args: argparse.Namespace) -> dict:
     idle = rss_mib(router_pid)["anon"]
+    cpu0 = cpu_s(router_pid)
     release = asyncio.Event()
     events = [asyncio.Event() for _ in range(k)]
     async with client_for(http, k + 8) as client:
@@ -238,13 +261,15 @@ async def phase_hold(http: str, model: str, router_pid: int, k: int, args: argpa
             pass
         open_s = time.monotonic() - t0
         held = rss_mib(router_pid)["anon"]
+        router_cpu_frac = (cpu_s(router_pid) - cpu0) / open_s
+        at_hold = machine()
         set_at_rss = [e.is_set() for e in events]   # set on the first token, or on a failure
         release.set()
         results = list(await asyncio.gather(*tasks))
     failed = sum(not r.ok for r in results)
     had_token = sum(was_set and r.ttft_s is not None for was_set, r in zip(set_at_rss, results))
     return {"k": k, "open_at_rss": had_token, "failed": failed, "failures": failures(results),
-            "open_s": open_s, "idle_rss_mib": idle,
+            "open_s": open_s, "router_cpu_frac": router_cpu_frac, **at_hold, "idle_rss_mib": idle,
             "held_rss_mib": held, "kib_per_stream": (held - idle) * 1024 / k}
 
 
@@ -275,15 +300,17 @@ async def phase_scale(http: str, model: str, dep: Deployment, args: argparse.Nam
     changes = []
     try:
         await asyncio.sleep(args.scale_warm_s)
-        status_s, _ = await asyncio.to_thread(tandem, dep, "status", "--json")
+        status_s, text = await asyncio.to_thread(tandem, dep, "status", "--json")
+        under_load = {**machine(), "reconcile": json.loads(text).get("reconcile")}
         for count in args.scale[1:]:
             took, _ = await asyncio.to_thread(tandem, dep, "scale", "decode", str(count))
-            changes.append({"to": count, "s": took, "in_flight_done": len(results)})
+            changes.append({"to": count, "s": took, "in_flight_done": len(results), **machine()})
             print(f"  scale decode -> {count}: {took:.1f} s", flush=True)
     finally:
         stop.set()
         await asyncio.wait_for(load, args.timeout_s + 30)
-    return {"changes": changes, "status_s": status_s, "requests": len(results),
+    return {"changes": changes, "status_s": status_s, "under_load": under_load, "after": snapshot(dep),
+            "requests": len(results),
             "failed": sum(not r.ok for r in results), "failures": failures(results)}
 
 
@@ -377,7 +404,8 @@ async def run_phases(dep: Deployment, args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=dep.http, timeout=60) as c:
         model = (await c.get("/v1/models")).json()["data"][0]["id"]
     skip = set(args.skip.split(","))
-    out: dict = {}
+    out: dict = {"start": {**snapshot(dep), "utc": time.strftime("%H:%M:%S", time.gmtime())}}
+    print(f"start: {json.dumps(out['start'])}", flush=True)
     # Open streams first: the RSS per stream is a difference, and the allocator keeps what the
     # load of the other phases grew (measured after them, 200 streams read as 0.5 KiB each).
     if "hold" not in skip:
@@ -385,18 +413,25 @@ async def run_phases(dep: Deployment, args: argparse.Namespace) -> dict:
         for k in args.streams:
             out["hold"].append(await phase_hold(dep.http, model, router_pid, k, args))
             print(f"hold: {json.dumps(out['hold'][-1])}", flush=True)
+    if "hold" not in skip:
+        out["after_hold"] = snapshot(dep)
+        print(f"after hold: {json.dumps(out['after_hold'])}", flush=True)
     if "latency" not in skip:
         out["latency"] = await phase_latency(dep.http, model, router_pid, args)
+        out["latency"].update(machine())
         print(f"latency: {json.dumps(out['latency'])}", flush=True)
     if "ramp" not in skip:
         out["ramp"] = await phase_ramp(dep.http, model, router_pid, args)
+        out["ramp"].update(machine())
     if "scale" not in skip and len(args.scale) > 1:
         out["scale"] = await phase_scale(dep.http, model, dep, args)
         print(f"scale: {json.dumps(out['scale'])}", flush=True)
     if args.kills:
         out["kills"] = await phase_kills(dep.http, model, dep, args)
+        out["kills"].update(machine())
         print(f"kills: {json.dumps(out['kills'])}", flush=True)
     out["router_rss_end_mib"] = rss_mib(router_pid)
+    out["end"] = {**machine(), "utc": time.strftime("%H:%M:%S", time.gmtime())}
     return out
 
 
@@ -417,14 +452,25 @@ def print_table(out: dict, args: argparse.Namespace) -> None:
                   f"{last.get('offered_rps')} req/s offered: {last.get('completed_rps', 0):.0f} "
                                      f"done/s, {last.get('failed')} failed, TTFT p50 "
                                      f"{last.get('ttft_p50_ms', 0):.0f} ms")]
+    if st := out.get("start"):
+        rows.append(("simulated worker anon RSS (mean), MemAvailable at start",
+                     f"{st['worker_anon_mib_mean']:.0f} MiB, {st['mem_available_mib']} MiB"))
     for h in out.get("hold", []):
         rows.append((f"{h['k']} open streams: router RSS, per stream, failed",
                      f"{h['idle_rss_mib']:.0f} -> {h['held_rss_mib']:.0f} MiB, {h['kib_per_stream']:.1f} KiB, "
-                     f"{h['failed']} ({h['open_at_rss']} had a token when RSS was read, {h['open_s']:.1f} s)"))
+                     f"{h['failed']} ({h['open_at_rss']} had a token when RSS was read, {h['open_s']:.1f} s; "
+                     f"router {100 * h['router_cpu_frac']:.0f}% of a core, load {h['loadavg'][0]})"))
+    for name in ("start", "after_hold"):
+        if (rc := out.get(name, {}).get("reconcile")) and rc.get("ticks"):
+            rows.append((f"controller reconcile tick p50 / max ({name}, last {rc['ticks']})",
+                         f"{rc['p50_ms']} / {rc['max_ms']} ms"))
     if sc := out.get("scale"):
         steps = " -> ".join([str(args.scale[0])] + [f"{c['to']} ({c['s']:.1f} s)" for c in sc["changes"]])
         rows += [(f"scale decode under {args.scale_streams} streams", steps),
                  ("`tandem status --json` under that load", f"{sc['status_s']:.2f} s"),
+                 ("controller reconcile tick p50 / max under that load",
+                  f"{(sc['under_load']['reconcile'] or {}).get('p50_ms')} / "
+                  f"{(sc['under_load']['reconcile'] or {}).get('max_ms')} ms"),
                  ("scale phase streams / failed", f"{sc['requests']} / {sc['failed']}")]
     if k := out.get("kills"):
         rows.append((f"--kills {args.kills} under {args.kill_streams} streams",
@@ -453,8 +499,12 @@ def main() -> int:
         profile = str(workdir / "slowed.json")
         Path(profile).write_text(json.dumps(slowed_profile(json.loads(Path(args.profile).read_text()),
                                                            args.slowdown)))
+    # On one CPU node serve prefills prompts up to 4096 tokens at the decode worker (no P/D);
+    # the simulated workers model GPU ones, so every prompt takes the P/D path unless asked.
+    local = [] if any(f.startswith("--local-prefill-max-tokens") for f in args.extra) else [
+        "--local-prefill-max-tokens", "0"]
     flags = ["--engine", "sim", "--sim-profile", profile, "--prefill", str(args.prefill),
-             "--decode", str(args.decode), *args.extra]
+             "--decode", str(args.decode), *local, *args.extra]
     log = workdir / "serve.log"
     print(f"tandem serve {' '.join(flags)} (log: {log})", flush=True)
     dep = Deployment(log, flags, {})
@@ -463,9 +513,9 @@ def main() -> int:
         out = asyncio.run(run_phases(dep, args))
     finally:
         dep.stop()
-    print_table(out, args)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    print_table(out, args)
     bad = (out.get("latency", {}).get("failed") or any(h["failed"] for h in out.get("hold", []))
            or out.get("scale", {}).get("failed") or out.get("kills", {}).get("failed")
            or out.get("kills", {}).get("differing") or out.get("kills", {}).get("error"))
