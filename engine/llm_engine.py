@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, replace
 
 from engine.block_manager import BlockAllocator
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig, StructuredOutput
-from engine.distributed import Leader, TPGroup
 from engine.kv_cache import KVPool
 from engine.math_utils import cdiv
 from engine.model_runner import ModelRunner
@@ -24,6 +23,7 @@ from engine.sim.runner import SimRunner
 from engine.sim.sampler import SimSampler
 from engine.structured import GrammarCache
 from engine.tokenizer import Tokenizer
+from engine.tp.group import Leader, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class LLMEngine:
                  parallel_config: ParallelConfig = ParallelConfig()) -> None:
         if not parallel_config.is_leader:
             raise ValueError(f"tp_rank={parallel_config.tp_rank}: an LLMEngine is rank 0; ranks > 0 run "
-                             "engine.tp_follower")
+                             "engine.tp.follower")
         self.runner: ModelRunner | SimRunner
         self.sampler: Sampler | SimSampler
         if model_config.engine == "sim":
@@ -147,9 +147,11 @@ class LLMEngine:
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                       block_ids: list[int], first_token: int,
-                      first_logprobs: dict[int, float] | None = None) -> Sequence:
+                      first_logprobs: dict[int, float] | None = None) -> StepOutput:
         """Start decoding a request whose prompt KV already sits in ``block_ids`` (written by a
-        prefill worker) and whose first token was sampled there."""
+        prefill worker) and whose first token was sampled there. Returns that token as the
+        request's first output: finished already when it ends the request (eos, a stop token,
+        ``max_tokens`` of 1), and then the request is not running."""
         if request_id in self.sequences:
             raise ValueError(f"request_id={request_id!r} is already running")
         grammar = self._grammar(params, prompt_token_ids, first_token)
@@ -172,7 +174,8 @@ class LLMEngine:
             self.scheduler.release(seq)
         else:
             self.scheduler.add_running(seq)
-        return seq
+        return StepOutput(request_id, [first_token], list(seq.logprobs), finished=seq.is_finished,
+                          finish_reason=seq.finish_reason)
 
     def _generator(self, params: SamplingParams, num_drawn_elsewhere: int):
         """A seeded request's generator, past the draws of the tokens sampled before it gets here:
@@ -222,6 +225,11 @@ class LLMEngine:
         seq = self.held.pop(request_id, None)
         if seq is not None:
             self.scheduler.release(seq)
+
+    def tune_kernels(self) -> None:
+        """Time the load-time kernel choices (the GGUF block linears) now, on this thread with
+        its torch threads; otherwise the first step does. Call it on the thread that steps."""
+        self.runner.tune_kernels()
 
     def check_parallel(self) -> None:
         """Raise if a tensor-parallel follower is gone (found by the heartbeat while idle)."""

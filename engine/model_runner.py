@@ -29,15 +29,15 @@ from engine.config import (
     resolve_chunked_prefill_size,
     resolve_dtype,
 )
-from engine.distributed import STEP, Leader, TPGroup
 from engine.kv_cache import KVPool, KVPoolShape, capacity_lines
 from engine.loader import Checkpoint, resolve_model
 from engine.math_utils import cdiv
 from engine.models import llama, moe, quant_linear
 from engine.models.arch import ArchConfig
-from engine.models.layers import RotaryEmbedding, TensorParallel, can_pack_linear
+from engine.models.layers import PackedLinear, RotaryEmbedding, TensorParallel, can_pack_linear
 from engine.models.llama import LlamaForCausalLM, check_tensor_parallel
 from engine.scheduler import ScheduledBatch
+from engine.tp.group import STEP, Leader, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,7 @@ class ModelRunner:
         self.group: TPGroup | None = None
         self.leader: Leader | None = None
         self.kv_pool: KVPool | None = None
+        self._untuned: list[PackedLinear] = []   # GGUF-backed linears tune_kernels has not timed
         try:
             self._start(model_config, cache_config, self.max_num_batched_tokens, checkpoint)
         except BaseException:
@@ -205,9 +206,19 @@ class ModelRunner:
         return model.eval()
 
     def _use_quantized(self, model: LlamaForCausalLM, checkpoint: Checkpoint) -> None:
-        """Attach the GGUF blocks to the packed linears and let decode steps use them up to the
-        batch size where they measured faster than the dense weights here."""
-        linears = model.attach_quantized(checkpoint.quantized_weights())
+        """Attach the GGUF blocks to the packed linears; ``tune_kernels`` decides how far decode
+        steps use them."""
+        self._untuned = model.attach_quantized(checkpoint.quantized_weights())
+
+    def tune_kernels(self) -> None:
+        """Let decode steps read the GGUF blocks up to the batch size where they measured faster
+        than the dense weights: once, on the calling thread with its torch threads. The first
+        step calls it, so it times the thread (and OpenMP team) that runs the steps; a worker
+        calls it on its engine thread before it says it is ready. Timed where a worker builds
+        its engine, on one thread (worker/loop.py), the compute-bound blocks lost to the
+        cache-bound dense weights even at batch 1 (SmolLM2 on 2 cores: 36.6 vs 27.4 ms), so served
+        decode never read them."""
+        linears, self._untuned = self._untuned, []
         if not linears:
             return
         with quant_linear.measuring_alone():
@@ -215,19 +226,20 @@ class ModelRunner:
         measured = ", ".join(f"batch {b}: {q:.1f} vs {d:.1f} ms" for b, (q, d) in timings.items())
         blocks = [lin.quant for lin in linears if lin.quant is not None]   # every one: attach_quantized set them
         types = ", ".join(sorted({quant.name for quant in blocks}))
+        threads = torch.get_num_threads()
         if max_batch == 0:
             for lin in linears:
                 lin.quant = None   # slower here even at batch 1: keep only the dense weights
-            logger.info("GGUF %s blocks: not used, the dense weights were faster (quantized vs dense, %d "
-                        "linears: %s)", types, len(linears), measured)
+            logger.info("GGUF %s blocks: not used, the dense weights were faster (%d threads; quantized vs dense, "
+                        "%d linears: %s)", types, threads, len(linears), measured)
             return
         for lin in linears:
             lin.quant_max_batch = max_batch
         logger.info("GGUF %s blocks: steps of up to %d tokens read %d linears' quantized weights (%.0f MB "
-                    "beside %.0f MB dense; quantized vs dense: %s)", types, max_batch, len(linears),
+                    "beside %.0f MB dense; %d threads; quantized vs dense: %s)", types, max_batch, len(linears),
                     sum(quant.data.numel() for quant in blocks) / 1e6,
                     sum(lin.in_features * lin.out_features for lin in linears) * self.dtype.itemsize / 1e6,
-                    measured)
+                    threads, measured)
 
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if cache_config.num_gpu_blocks_override is not None:
@@ -344,6 +356,8 @@ class ModelRunner:
         With followers, the step (and ``extra``, a msgpack-able dict for their role's
         ``after_layer``) is broadcast first and the whole forward runs as one transaction.
         """
+        if self._untuned:
+            self.tune_kernels()
         step = self.host_inputs(batch)
         inputs = self.to_device(step)
         if self.leader is None:
@@ -358,6 +372,8 @@ class ModelRunner:
     def execute_step(self, step: StepInputs, after_layer: Callable[[int], None] | None = None) -> None:
         """A follower's part of rank 0's step: the same forward on this rank's shard (its KV
         heads land in its own pool; the logits are rank 0's to compute)."""
+        if self._untuned:
+            self.tune_kernels()
         inputs = self.to_device(step)
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)
 

@@ -47,6 +47,9 @@ class WorkerParts:
     metrics: Any                                # WorkerMetrics
     close: Callable[[], None]
     tensor_parallel_size: int = 1
+    # Run on the engine thread, with its torch threads, before the worker says it is ready
+    # (LLMEngine.tune_kernels: load-time choices timed on the thread that will step).
+    prepare: Callable[[], None] | None = None
 
 
 def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
@@ -110,7 +113,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 def _follow(role: str, worker: WorkerConfig, configs: tuple[ModelConfig, CacheConfig, SchedulerConfig],
             parallel: ParallelConfig, follow: Callable[..., Any] | None) -> int:
-    from engine.tp_follower import run_follower
+    from engine.tp.follower import run_follower
 
     def ready() -> None:
         line = {"role": role, "tp_rank": parallel.tp_rank, "tensor_parallel_size": parallel.tensor_parallel_size,
@@ -131,6 +134,8 @@ async def _serve(role: str, worker: WorkerConfig, parts: WorkerParts) -> int:
         loop.add_signal_handler(sig, stop.set)
     metrics_port = parts.metrics.serve(worker.host, worker.metrics_port) if worker.metrics_port >= 0 else None
     parts.loop.start()
+    if parts.prepare is not None:
+        await parts.loop.run(parts.prepare)
     try:
         server, port, health_servicer = await start_server(worker.host, worker.port, parts.register,
                                                            parts.service_names, worker.cluster_secret)

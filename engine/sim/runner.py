@@ -132,6 +132,9 @@ class SimRunner:
                 digests[i] = digest
         return [next_token(d, s.num_tokens, self.arch.vocab_size) for d, s in zip(digests, seqs)]
 
+    def tune_kernels(self) -> None:
+        """Nothing to time: a simulated step sleeps what the profile says."""
+
     def execute(self, batch: ScheduledBatch, after_layer: Callable[[int], None] | None = None,
                 extra: dict[str, Any] | None = None) -> torch.Tensor:
         """One step; the next token id of each sampling row ``[num_sampling_seqs]`` (int64), in

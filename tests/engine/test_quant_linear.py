@@ -14,7 +14,7 @@ from engine.attention.cpu_kernels import build
 from engine.loader import Checkpoint, resolve_model
 from engine.models import quant_linear
 from engine.models.quant_linear import QTYPES, QuantizedWeight
-from tests.engine.conftest import SMOLLM2
+from tests.models import SMOLLM2
 
 pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="needs AVX-512 and a C compiler")
 TYPES = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
@@ -253,3 +253,50 @@ def test_types_table_matches_gguf():
     for qtype, (name, weights, nbytes) in QTYPES.items():
         assert GGMLQuantizationType(qtype).name == name
         assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (weights, nbytes)
+
+
+def test_the_block_kernels_are_timed_on_the_thread_that_steps(smollm2_checkpoint, monkeypatch):
+    """A worker builds its engine on one torch thread and steps on an engine thread with N
+    (worker/loop.py). Timing the GGUF blocks against the dense weights at build time measured the
+    wrong thread count (on 2 cores the compute-bound blocks lost to the cache-bound dense weights
+    at 1 thread, so served decode never used them): the choice is timed by the first step, or by
+    ``LLMEngine.tune_kernels``, on the thread that steps, once."""
+    import threading
+
+    from engine.config import SamplingParams
+    from engine.llm import LLM
+
+    timed: list[tuple[str, int]] = []
+
+    def measure(linears, dtype, *args, **kwargs):
+        timed.append((threading.current_thread().name, torch.get_num_threads()))
+        return 4, {1: (1.0, 2.0), 4: (1.0, 2.0)}
+
+    monkeypatch.setattr(quant_linear, "measure_max_batch", measure)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # as worker/process.py builds
+    try:
+        llm = LLM(SMOLLM2, dtype="float32", device="cpu", max_model_len=512, num_gpu_blocks_override=80)
+    finally:
+        torch.set_num_threads(threads)
+    try:
+        assert timed == []   # nothing timed at build
+        model = llm.engine.runner.model
+        params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+        def step_on_two_threads() -> None:
+            torch.set_num_threads(2)
+            llm.generate([[1, 2, 3]], params)
+            llm.generate([[4, 5, 6]], params)
+
+        stepper = threading.Thread(target=step_on_two_threads, name="stepper")
+        stepper.start()
+        stepper.join(120)
+        assert not stepper.is_alive()
+        assert timed == [("stepper", 2)]   # once, by the first step, with the stepping thread's threads
+        linears = [lin for lin in model.modules() if getattr(lin, "quant", None) is not None]
+        assert linears and all(lin.quant_max_batch == 4 for lin in linears)
+        llm.engine.tune_kernels()   # already timed: nothing more
+        assert len(timed) == 1
+    finally:
+        llm.close()
