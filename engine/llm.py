@@ -2,7 +2,7 @@
 
 Runs in the caller's process and thread. It is the colocated twin of the disaggregated system:
 the same engine loop (chunked prefill + continuous-batched decode) with no processes, except
-that ``tensor_parallel_size=N`` spawns N - 1 follower rank processes (engine/tp_spawn.py).
+that ``tensor_parallel_size=N`` spawns N - 1 follower rank processes (engine/tp/spawn.py).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from engine.config import DEFAULT_MODEL, CacheConfig, ModelConfig, ParallelConfi
 from engine.llm_engine import LLMEngine
 from engine.model_source import load_arch, resolve_model
 from engine.models.llama import check_tensor_parallel
-from engine.tp_spawn import LocalFollowers
+from engine.tp.spawn import LocalFollowers
 
 
 @dataclass

@@ -4,7 +4,7 @@ the pools of processes that are gone. Standard library only.
 A CPU worker's KV pool is a file in ``SHM_DIR`` mapped shared (engine/kv_cache.py), so a same-host
 prefill worker maps the same file and writes blocks into it one-sidedly (kvtransfer/region.py,
 which also makes pools for its tests and benchmarks). Both create pools here, and the launchers
-(deploy/launch.py, engine/tp_spawn.py) remove a dead child's pools here. A leaf below engine and
+(deploy/launch.py, engine/tp/spawn.py) remove a dead child's pools here. A leaf below engine and
 kvtransfer, which may not import each other (docs/architecture.md#packages-and-import-direction).
 
 A pool file is named ``POOL_PREFIX<owner pid>-<12 hex digits>`` (``POOL_NAME``): the pid lets a

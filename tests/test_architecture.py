@@ -105,6 +105,18 @@ def test_import_checker_catches_a_wrong_arrow(tmp_path):
     assert sorted(_imports_of(bad, "router.client")) == [1, 2]
 
 
+def test_tensor_parallelism_is_one_package_of_engine():
+    """engine/tp/ holds the rank group, a follower's process and their spawning: no TP module
+    sits loose in engine/, and nothing outside engine/tp/ talks torch.distributed itself."""
+    loose = sorted(p.name for p in (ROOT / "engine").glob("*.py") if p.stem.startswith("tp") or p.stem == "distributed")
+    assert not loose, f"tensor-parallel modules outside engine/tp/: {loose}"
+    tp = ROOT / "engine" / "tp"
+    wrong = [f"{path.relative_to(ROOT)}:{lineno} imports torch.distributed (engine/tp/ is its one user)"
+             for package in PACKAGES for path in (ROOT / package).rglob("*.py") if tp not in path.parents
+             for lineno in _imports_of(path, "torch.distributed")]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_no_pickle_in_the_product():
     hits = []
     for package in PACKAGES:

@@ -2,12 +2,12 @@
 
 Runs in every rank process of a TP replica. A role's per-rank state (a decode rank's kvtransfer
 receiver, a prefill rank's senders) lives in a :class:`RoleHandler` (the hooks a follower rank
-runs, engine/tp_follower.py's ``FollowerHooks``, with ops); rank 0 changes it only
+runs, engine/tp/follower.py's ``FollowerHooks``, with ops); rank 0 changes it only
 through :class:`MirroredOps`, which applies a list of ops to its own handler and broadcasts the
 same list to the followers' handlers, so every rank does its own side of each transfer. Each op
 is a :class:`MirroredOp` dataclass (the roles declare theirs in ``prefill_worker/ops.py`` and
 ``decode_worker/ops.py``) and handlers dispatch on its type. On the wire (msgpack, see
-engine/distributed.py) an op is the list ``[TAG, *fields]``, decoded on a follower only into
+engine/tp/group.py) an op is the list ``[TAG, *fields]``, decoded on a follower only into
 the op types its handler declares, each field type-checked; a reply is a list of ints,
 min-reduced over the ranks (e.g. "every rank has this transfer done").
 """
@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
-from engine.distributed import OPS, Leader
-from engine.tp_follower import FollowerHooks
+from engine.tp.follower import FollowerHooks
+from engine.tp.group import OPS, Leader
 
 
 def _is_int(value: Any) -> bool:

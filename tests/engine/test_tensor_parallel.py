@@ -1,6 +1,6 @@
 """Tests for tensor parallelism in the engine: ParallelConfig, the sharded model, the rank-0
-broadcast loop and LLM's follower processes (engine/distributed.py, engine/tp_follower.py,
-engine/tp_spawn.py).
+broadcast loop and LLM's follower processes (engine/tp/group.py, engine/tp/follower.py,
+engine/tp/spawn.py).
 
 The tiny random-weight checkpoints have 4 attention heads and 2 KV heads, so TP=2 gives each
 rank one KV head: a wrong slice, a missing all-reduce or a follower that skips a step changes
@@ -18,7 +18,7 @@ import torch
 
 from engine.cli_args import config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
-from engine.distributed import Leader, TPGroup, free_local_port
+from engine.tp.group import Leader, TPGroup, free_local_port
 from tests.engine.conftest import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from engine.config import ParallelConfig
-from engine.distributed import TPGroup, free_local_port
+from engine.tp.group import TPGroup, free_local_port
 
 LISTEN = "0A"   # TCP_LISTEN in /proc/net/tcp*
 

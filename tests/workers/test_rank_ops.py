@@ -1,5 +1,5 @@
 """The TP mirrored ops of both roles (prefill_worker/ops.py, decode_worker/ops.py) through the
-wire form worker/tp_role.py sends them in: msgpack as engine/distributed.py packs it, decoded
+wire form worker/tp_role.py sends them in: msgpack as engine/tp/group.py packs it, decoded
 only into the receiving role's op types, each field checked."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from decode_worker import ops as decode_ops
 from decode_worker.ranks import DecodeRank
-from engine.distributed import OPS
+from engine.tp.group import OPS
 from kvtransfer.messages import NotifyPayload
 from prefill_worker import ops as prefill_ops
 from prefill_worker.ranks import PrefillRank

@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from engine.config import SamplingParams
-from engine.distributed import free_local_port
+from engine.tp.group import free_local_port
 from protos.tandem.v1 import worker_pb2
 from tests.workers.conftest import check_greedy_matches_colocated, check_logprobs_match, pool_flags, prompts_for
 from tests.workers.harness import RPC_TIMEOUT_S, START_TIMEOUT_S, generate, greedy, wait_idle

@@ -1,6 +1,6 @@
 """Spawn the follower ranks of a local TP replica (`LLM(..., tensor_parallel_size=N)`).
 
-Runs in the process that will be rank 0. Followers are ``python -m engine.tp_follower``
+Runs in the process that will be rank 0. Followers are ``python -m engine.tp.follower``
 children given the same configs as flags; they join the group at a free local port picked
 here. ``stop`` waits for them to leave (after rank 0's STOP) and kills stragglers, removing the
 /dev/shm pool a killed child cannot unlink itself.
@@ -16,7 +16,7 @@ import torch
 
 from engine.cli_args import config_to_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.distributed import free_local_port
+from engine.tp.group import free_local_port
 from tandem_shm.pools import remove_pools_of
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class LocalFollowers:
         try:
             for rank in range(1, tensor_parallel_size):
                 rank_flags = config_to_args(replace(self.parallel, tp_rank=rank))
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp_follower", *flags, *rank_flags],
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "engine.tp.follower", *flags, *rank_flags],
                                                    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
         except BaseException:
             self.stop(timeout_s=0)

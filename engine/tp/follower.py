@@ -1,7 +1,7 @@
 """A tensor-parallel follower (rank > 0): joins rank 0's group, loads its shard, and runs every
 step rank 0 broadcasts until rank 0 says stop or goes away.
 
-Runs as its own process, one per rank > 0: spawned by `LLM` as ``python -m engine.tp_follower``,
+Runs as its own process, one per rank > 0: spawned by `LLM` as ``python -m engine.tp.follower``,
 or started by a launcher as ``python -m prefill_worker|decode_worker --tp-rank r`` (the roles
 plug in their :class:`FollowerHooks`, worker/tp_role.py's ``RoleHandler``, for their side of
 kvtransfer). It schedules nothing: rank 0's messages say which tokens run (``STEP``) and which
@@ -18,8 +18,8 @@ from typing import Any
 
 from engine.cli_args import add_config_args, config_from_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from engine.distributed import OPS, PING, STEP, STOP
 from engine.model_runner import ModelRunner, StepInputs
+from engine.tp.group import OPS, PING, STEP, STOP
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine.tp_follower",
+    parser = argparse.ArgumentParser(prog="python -m engine.tp.follower",
                                      description="Tandem tensor-parallel follower rank (spawned by LLM)")
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads; 0 keeps torch's default")
