@@ -329,8 +329,8 @@ class DecodeLoop(EngineLoop):
             first_logprobs = {payload.first_token_id: payload.first_logprob}
             first_logprobs.update(dict(payload.top_logprobs))
         try:
-            seq = self.engine.add_prefilled(job.request_id, job.prompt_token_ids, job.params, job.block_ids,
-                                            payload.first_token_id, first_logprobs)
+            first = self.engine.add_prefilled(job.request_id, job.prompt_token_ids, job.params, job.block_ids,
+                                              payload.first_token_id, first_logprobs)
         except ValueError as exc:   # the first token does not follow the request's grammar
             self._move(job, None)
             self.engine.free_blocks(job.block_ids)
@@ -338,11 +338,7 @@ class DecodeLoop(EngineLoop):
             self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker's first token: {exc}")))
             return
         job.num_cached_tokens = payload.num_cached_tokens
-        now = time.monotonic()
-        out = StepOutput(job.request_id, [payload.first_token_id],
-                         [first_logprobs] if first_logprobs is not None else [],
-                         finished=seq.is_finished, finish_reason=seq.finish_reason)
-        self._emit(out, now)
+        self._emit(first, time.monotonic())
 
     def _emit(self, out: StepOutput, now: float) -> None:
         job = self._live(out.request_id)

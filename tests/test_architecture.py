@@ -145,9 +145,12 @@ def test_the_cli_and_controller_import_without_torch():
 
 
 # The workers use LLMEngine's own API (reserve/free blocks, add_prefilled, compile_grammar,
-# held_request, step's PromptChunks, stats(), kv_pool, ...), never the engine's parts or its
-# requests' state: what reaches in cannot be changed behind its back.
-ENGINE_PARTS = {"allocator", "scheduler", "runner", "grammars", "held", "sequences"}
+# held_request, step's PromptChunks and StepOutputs, stats(), kv_pool, ...), never the engine's
+# parts or its requests' state: what reaches in cannot be changed behind its back. The API hands
+# out no Sequence, and a Sequence's own fields are not read where a worker could reach one.
+ENGINE_PARTS = {"allocator", "scheduler", "runner", "grammars", "held", "sequences",
+                "is_finished", "output_token_ids", "num_computed_tokens", "num_uncomputed_tokens",
+                "all_token_ids", "num_cached_blocks"}
 ENGINE_PART_MODULES = ("engine.scheduler", "engine.sequence", "engine.block_manager", "engine.structured")
 NARROW_API_USERS = ("prefill_worker", "decode_worker", "worker")
 
@@ -174,9 +177,21 @@ def test_workers_use_only_the_engines_narrow_api():
     assert not wrong, "workers reach into the engine's parts (use LLMEngine's API):\n" + "\n".join(wrong)
 
 
+def test_the_engines_api_hands_out_no_request_state():
+    """LLMEngine's public methods return plain records (StepOutput, PromptChunk, HeldRequest,
+    EngineStats, block ids), never a Sequence or a ScheduledBatch a worker could read or change."""
+    tree = ast.parse((ROOT / "engine" / "llm_engine.py").read_text(encoding="utf-8"))
+    [engine_class] = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "LLMEngine"]
+    wrong = [f"LLMEngine.{node.name} returns {ast.unparse(node.returns)}" for node in engine_class.body
+             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and node.returns is not None
+             and re.search(r"\b(Sequence|ScheduledBatch)\b", ast.unparse(node.returns))]
+    assert not wrong, "\n".join(wrong)
+
+
 def test_engine_part_checker_catches_a_reach_in(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("self.engine.allocator.free(ids)\nn = loop.engine.runner.arch.vocab_size\n"
-                   "q = len(engine.scheduler.waiting)\ngetattr(engine, 'allocator')\nscheduler_config = 1\n")
+                   "q = len(engine.scheduler.waiting)\ngetattr(engine, 'allocator')\nscheduler_config = 1\n"
+                   "done = seq.is_finished\n")
     assert _engine_part_uses(bad) == [(1, ".allocator"), (2, ".runner"), (3, ".scheduler"),
-                                      (4, "getattr(..., 'allocator')")]
+                                      (4, "getattr(..., 'allocator')"), (6, ".is_finished")]

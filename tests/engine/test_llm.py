@@ -339,15 +339,34 @@ def test_blocks_reserved_for_a_transferred_prompt_are_adopted_or_freed(model_dir
     prompt = random_prompt(seed=21, num_tokens=17)
     block_ids = engine.reserve_blocks(len(prompt) + 1, 10**6, transfers_pending=False)
     assert block_ids == [3, 4]
-    seq = engine.add_prefilled("t", prompt, greedy(3), block_ids, first_token=5)
+    first = engine.add_prefilled("t", prompt, greedy(3), block_ids, first_token=5)
+    assert (first.request_id, first.new_token_ids, first.finished) == ("t", [5], False)
     stats = engine.stats()
     assert (stats.num_running, stats.num_running_tokens, stats.kv_blocks_used, stats.kv_usage) == (1, 18, 2, 2 / 64)
+    outputs = [first]
     while engine.has_unfinished():
-        engine.step()
-    assert seq.output_token_ids[0] == 5 and len(seq.output_token_ids) == 3
+        outputs += engine.step()
+    assert [t for out in outputs for t in out.new_token_ids][0] == 5
+    assert sum(len(out.new_token_ids) for out in outputs) == 3 and outputs[-1].finish_reason == "length"
     stats = engine.stats()
     assert (stats.num_running, stats.kv_blocks_used, stats.num_generated_tokens) == (0, 0, 3)
     assert engine.num_cached_prefix_tokens(prompt) == 16   # the prompt's first block stays cached
+
+
+def test_a_prefilled_first_token_that_ends_the_request_comes_back_finished(model_dir, make_llm):
+    """add_prefilled answers the first token as the request's first output; an eos there (or
+    max_tokens 1) ends it at once and its blocks go back."""
+    engine = make_llm(model_dir).engine
+    prompt = random_prompt(seed=22, num_tokens=17)
+    eos = min(engine.eos_token_ids)
+    for request_id, params, first_token, reason in (("eos", SamplingParams(max_tokens=8), eos, "stop"),
+                                                     ("one", greedy(1), 5, "length")):
+        block_ids = engine.reserve_blocks(len(prompt) + 1, 0, transfers_pending=False)
+        out = engine.add_prefilled(request_id, prompt, params, block_ids, first_token=first_token)
+        assert (out.request_id, out.new_token_ids, out.finished, out.finish_reason) == (
+            request_id, [first_token], True, reason)
+        stats = engine.stats()
+        assert not engine.has_unfinished() and (stats.num_running, stats.kv_blocks_used) == (0, 0)
 
 
 def test_a_bad_prompt_leaves_no_request_behind(model_dir, make_llm):
