@@ -14,16 +14,6 @@ import time
 import httpx
 
 
-def metric(text: str, name: str) -> float:
-    """The sum of every sample of ``name`` in a Prometheus text page."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#") and line[len(name)] in " {")
-
-
-def scrape(target: str) -> str:
-    return httpx.get(f"http://{target}/metrics", timeout=10).raise_for_status().text
-
-
 async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int, seen: list[int],
                   i: int) -> str | dict:
     """The streamed text, or the error the router answered with (a status or an error event)."""

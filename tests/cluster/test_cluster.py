@@ -32,11 +32,9 @@ import yaml
 
 from deploy.launch import REPO_ROOT
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements
-from tests.cluster.streams import Streams, metric, scrape
+from tests.cluster.streams import Streams
 from tests.deploy.ray_launcher import launcher_home, ray_cli
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from tests.metrics import metric, scrape
 
 pytestmark = pytest.mark.slow
 
@@ -160,7 +158,7 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir) -> Path:  # noqa: F811 - the imported fixture
+def model(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 

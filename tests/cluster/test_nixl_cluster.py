@@ -45,10 +45,8 @@ from protos.auth import SECRET_ENV, SecretStub, new_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
 from router.config import READY_PREFIX as ROUTER_READY_PREFIX
 from tests.cluster.netns import NetnsCluster, Node, missing_requirements
-from tests.cluster.streams import Streams, metric, scrape
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from tests.cluster.streams import Streams
+from tests.metrics import metric, scrape
 from worker.process import READY_PREFIX as WORKER_READY_PREFIX
 
 pytestmark = pytest.mark.slow
@@ -193,7 +191,7 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def model(tiny_model_dir) -> Path:  # noqa: F811 - the imported fixture
+def model(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from deploy.bench.plots import PLOT_FILES
 from deploy.cli import main
+from tests.fake_tandem_service import generate_only_tandem_server
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK_DELAY_S = 0.002
@@ -194,36 +195,8 @@ def test_bench_unreachable_server_fails_every_request(tmp_path, capsys):
 
 # --- gRPC backend, against a stub of Tandem's service --------------------------------------------
 
-def _grpc_stub():
-    import grpc
-
-    from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-
-    class Stub(tandem_pb2_grpc.TandemServicer):
-        def __init__(self) -> None:
-            self.requests = []
-
-        def Generate(self, request, context):
-            self.requests.append(request)
-            n = request.sampling.max_tokens
-            for i in range(n):
-                time.sleep(CHUNK_DELAY_S)
-                yield tandem_pb2.CompletionChunk(request_id=request.request_id, text=" t", token_ids=[100 + i])
-            yield tandem_pb2.CompletionChunk(request_id=request.request_id, finish_reason="length",
-                                             usage=tandem_pb2.Usage(prompt_tokens=16, completion_tokens=n))
-
-    from concurrent import futures
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
-    stub = Stub()
-    tandem_pb2_grpc.add_TandemServicer_to_server(stub, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, stub, port
-
-
 def test_bench_grpc_backend(tmp_path, capsys):
-    server, stub, port = _grpc_stub()
+    server, stub, port = generate_only_tandem_server(CHUNK_DELAY_S)
     try:
         code = main(["bench", "--backend", "grpc", "--grpc-target", f"127.0.0.1:{port}", "--dataset", "random",
                      "--input-len", "16", "--output-len", "8", "--num-prompts", "6", "--max-concurrency", "3",

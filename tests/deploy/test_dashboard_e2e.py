@@ -23,10 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.test_serve_e2e import interrupt, start_serve, wait_for
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
+from tests.deploy.serving import interrupt, start_serve, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,7 +153,7 @@ def describe(title: str, legend: str, expr: str, series: list[dict], peaks: dict
 
 
 @needs_prometheus
-def test_prometheus_scrapes_serve_and_every_dashboard_query_has_data(tmp_path, tiny_model_dir):  # noqa: F811
+def test_prometheus_scrapes_serve_and_every_dashboard_query_has_data(tmp_path, tiny_model_dir):
     model = str(tiny_model_dir("llama"))
     sd_file = tmp_path / "sd" / "targets.json"
     # A small pool (512 blocks of 16 tokens), so the KV usage panel has something to show; local

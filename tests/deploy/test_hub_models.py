@@ -16,21 +16,10 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import main as tandem_main
-
-# Session fixtures that build the tiny HF checkpoints (imported so pytest registers them here).
-from tests.engine.conftest import (  # noqa: F401
-    hf_greedy,
-    hf_model,
-    smollm2_gguf,
-    smollm2_tokenizer,
-    tiny_model_dir,
-    tokenizer_files,
-)
-from tests.engine.hub_fixtures import FakeHub, commit_of, write_hf_cache
+from tests.engine.hub_fixtures import MAIN, TINY_REPO, V2, FakeHub, write_hf_cache
+from tests.models import hf_greedy
 
 ROOT = Path(__file__).resolve().parents[2]
-REPO = "tiny-org/tiny-llama"
-MAIN, V2 = commit_of("main"), commit_of("v2")
 GENERATE = ["generate", "--prompt", "The capital of France is", "--max-tokens", "8", "--temperature", "0",
             "--ignore-eos", "--json", "--dtype", "float32", "--device", "cpu", "--num-gpu-blocks-override", "32"]
 _HF_VARS = ("HF_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT", "HF_TOKEN",
@@ -56,15 +45,7 @@ def _token_ids(stdout: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hub_cache(tmp_path_factory, tiny_model_dir) -> Path:  # noqa: F811 - the imported fixture, by name
-    cache = tmp_path_factory.mktemp("hf-cache")
-    write_hf_cache(cache, REPO, tiny_model_dir("llama"), MAIN, refs=("main",))
-    write_hf_cache(cache, REPO, tiny_model_dir("llama_tied"), V2, refs=("v2",))
-    return cache
-
-
-@pytest.fixture(scope="module")
-def local_tokens(tiny_model_dir) -> dict[str, list[int]]:  # noqa: F811
+def local_tokens(tiny_model_dir) -> dict[str, list[int]]:
     """`tandem generate` on the local checkpoint directories, in-process."""
     import contextlib
     import io
@@ -80,9 +61,9 @@ def local_tokens(tiny_model_dir) -> dict[str, list[int]]:  # noqa: F811
 
 
 @pytest.fixture
-def hub(tiny_model_dir) -> Iterator[FakeHub]:  # noqa: F811
+def hub(tiny_model_dir) -> Iterator[FakeHub]:
     fake = FakeHub()
-    fake.add(REPO, MAIN, tiny_model_dir("llama"))
+    fake.add(TINY_REPO, MAIN, tiny_model_dir("llama"))
     fake.add("tiny-org/gated", MAIN, tiny_model_dir("llama"), token="hf_right")
     fake.start()
     yield fake
@@ -92,12 +73,12 @@ def hub(tiny_model_dir) -> Iterator[FakeHub]:  # noqa: F811
 # -- offline, from the cache -------------------------------------------------------------------
 
 def test_generate_by_id_offline_matches_local_path(hub_cache, local_tokens):
-    proc = _tandem(*GENERATE, "--model", REPO, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    proc = _tandem(*GENERATE, "--model", TINY_REPO, HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
     assert proc.returncode == 0, proc.stderr
     assert _token_ids(proc.stdout) == local_tokens["llama"]
 
 
-def test_generate_a_mixture_of_experts_model_by_path_and_by_id_offline(tmp_path, tiny_model_dir, hf_model):  # noqa: F811
+def test_generate_a_mixture_of_experts_model_by_path_and_by_id_offline(tmp_path, tiny_model_dir, hf_model):
     # A tiny random Qwen3-MoE (8 experts, top 2), as transformers saves it: the same tokens as
     # transformers' greedy generate, from the directory and from an HF cache by id.
     write_hf_cache(tmp_path, "tiny-org/tiny-qwen3-moe", tiny_model_dir("qwen3_moe"), MAIN)
@@ -113,7 +94,7 @@ def test_generate_a_mixture_of_experts_model_by_path_and_by_id_offline(tmp_path,
 def test_generate_revision_picks_snapshot(hub_cache, local_tokens, monkeypatch, capsys):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for revision, expected in (("v2", "llama_tied"), (V2, "llama_tied"), (MAIN, "llama")):
-        assert tandem_main([*GENERATE, "--model", REPO, "--revision", revision,
+        assert tandem_main([*GENERATE, "--model", TINY_REPO, "--revision", revision,
                             "--download-dir", str(hub_cache)]) == 0
         assert _token_ids(capsys.readouterr().out) == local_tokens[expected], revision
 
@@ -126,13 +107,13 @@ def test_generate_missing_id_offline_is_a_clean_error(hub_cache):
     assert "HF_HUB_OFFLINE" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_plan_by_id_offline_matches_local_path(hub_cache, tiny_model_dir):  # noqa: F811
+def test_plan_by_id_offline_matches_local_path(hub_cache, tiny_model_dir):
     flags = ["plan", "--json", "--dtype", "float32", "--kv-cache-memory", "64MiB"]
-    by_id = _tandem(*flags, "--model", REPO, "--revision", "v2", HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
+    by_id = _tandem(*flags, "--model", TINY_REPO, "--revision", "v2", HF_HUB_CACHE=str(hub_cache), HF_HUB_OFFLINE="1")
     by_path = _tandem(*flags, "--model", str(tiny_model_dir("llama_tied")))
     assert by_id.returncode == 0 and by_path.returncode == 0, by_id.stderr + by_path.stderr
     plan_id, plan_path = json.loads(by_id.stdout), json.loads(by_path.stdout)
-    assert plan_id.pop("model") == REPO
+    assert plan_id.pop("model") == TINY_REPO
     plan_path.pop("model")
     assert plan_id == plan_path
 
@@ -141,7 +122,8 @@ def test_worker_process_serves_an_id_offline(hub_cache, tmp_path):
     from deploy.launch import WorkerProcess
 
     with open(tmp_path / "stderr", "wb") as stderr:
-        worker = WorkerProcess("prefill", ["--model", REPO, "--revision", "v2", "--port", "0", "--metrics-port", "-1",
+        worker = WorkerProcess("prefill", ["--model", TINY_REPO, "--revision", "v2", "--port", "0",
+                                           "--metrics-port", "-1",
                                            "--dtype", "float32", "--device", "cpu", "--num-threads", "1",
                                            "--num-gpu-blocks-override", "32", "--host", "127.0.0.1"],
                                stderr=stderr, env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"},
@@ -152,39 +134,39 @@ def test_worker_process_serves_an_id_offline(hub_cache, tmp_path):
             worker.stop()
     assert info["role"] == "prefill" and info["grpc"].startswith("127.0.0.1:")
     log = (tmp_path / "stderr").read_text()
-    assert f"model {REPO} (revision v2) from the HF cache: {hub_cache / 'models--tiny-org--tiny-llama'}" in log
+    assert f"model {TINY_REPO} (revision v2) from the HF cache: {hub_cache / 'models--tiny-org--tiny-llama'}" in log
 
 
 # -- downloads from a local stand-in for the hub -------------------------------------------------
 
-def test_download_once_then_from_cache(hub, tmp_path, tiny_model_dir):  # noqa: F811
+def test_download_once_then_from_cache(hub, tmp_path, tiny_model_dir):
     cache = tmp_path / "cache"
     env = {"HF_ENDPOINT": hub.url, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"}
-    first = _tandem("plan", "--json", "--model", REPO, **env)
+    first = _tandem("plan", "--json", "--model", TINY_REPO, **env)
     assert first.returncode == 0, first.stderr
     snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / MAIN
     for file in tiny_model_dir("llama").iterdir():
         assert (snapshot / file.name).read_bytes() == file.read_bytes()
     assert hub.file_gets() == {f.name: 1 for f in tiny_model_dir("llama").iterdir()}
     asked = sum(hub.requests.values())
-    second = _tandem("plan", "--json", "--model", REPO, **env)
+    second = _tandem("plan", "--json", "--model", TINY_REPO, **env)
     assert second.returncode == 0, second.stderr
     assert sum(hub.requests.values()) == asked          # cached: the hub is not asked again
     assert json.loads(second.stdout) == json.loads(first.stdout)
 
 
-def test_processes_starting_together_download_once(hub, tmp_path, tiny_model_dir):  # noqa: F811
+def test_processes_starting_together_download_once(hub, tmp_path, tiny_model_dir):
     """What the ranks and replicas of one node do when they start at once with a cold cache."""
     hub.file_delay_s = 0.5                               # every download overlaps the others' start
     env = _env(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="0")
     code = "import sys; from engine.model_source import resolve_model; print(resolve_model(sys.argv[1]).path)"
-    procs = [subprocess.Popen([sys.executable, "-c", code, REPO], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", code, TINY_REPO], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outputs]
     assert {out.strip() for out, _ in outputs} == {str(tmp_path / "cache" / "models--tiny-org--tiny-llama"
                                                        / "snapshots" / MAIN)}
-    assert hub.requests[f"GET /api/models/{REPO}/revision/main"] == 1
+    assert hub.requests[f"GET /api/models/{TINY_REPO}/revision/main"] == 1
     assert hub.file_gets() == {f.name: 1 for f in tiny_model_dir("llama").iterdir()}
 
 
@@ -205,7 +187,7 @@ def test_unknown_id_and_revision_online(hub, tmp_path):
     unknown = _tandem("plan", "--model", "tiny-org/nope", **env)
     assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
     assert "model 'tiny-org/nope' was not found on the Hugging Face hub" in unknown.stderr
-    bad_rev = _tandem("plan", "--model", REPO, "--revision", "v9", **env)
+    bad_rev = _tandem("plan", "--model", TINY_REPO, "--revision", "v9", **env)
     assert bad_rev.returncode == 2 and "model 'tiny-org/tiny-llama' has no revision 'v9'" in bad_rev.stderr
 
 
@@ -215,7 +197,7 @@ def test_unreachable_hub_names_the_id(tmp_path):
     with socket.socket() as s:                         # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _tandem("plan", "--model", REPO, HF_ENDPOINT=f"http://127.0.0.1:{port}",
+    proc = _tandem("plan", "--model", TINY_REPO, HF_ENDPOINT=f"http://127.0.0.1:{port}",
                    HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="0")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "model 'tiny-org/tiny-llama' (revision 'main') is not in the Hugging Face cache" in proc.stderr
@@ -229,7 +211,8 @@ def test_serve_resolves_an_id_once_at_its_revision_before_starting_workers(hub_c
     from deploy.cli import build_parser
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = build_parser().parse_args(["serve", "--model", REPO, "--revision", "v2", "--download-dir", str(hub_cache)])
+    args = build_parser().parse_args(["serve", "--model", TINY_REPO, "--revision", "v2",
+                                      "--download-dir", str(hub_cache)])
     arch, path = serve.check_model(args, {"prefill": 1, "decode": 1})
     assert path.name == V2 and path.parent.name == "snapshots"
     assert arch.tie_word_embeddings

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from deploy.launch import REPO_ROOT
-from tests.deploy.test_serve_e2e import MODEL, SERVE_TIMEOUT_S, all_pids, assert_nothing_left, completions, wait_for
+from tests.deploy.serving import MODEL, SERVE_TIMEOUT_S, all_pids, assert_nothing_left, completions, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.deploy.test_serve_e2e import all_pids, assert_nothing_left, interrupt, start_serve
+from tests.deploy.serving import all_pids, assert_nothing_left, interrupt, start_serve
 from tests.engine.sim.profiles import profile_rows
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from engine.sim.tokens import next_token, prompt_digest
 from engine.tokenizer import Tokenizer
-from tests.deploy.test_serve_e2e import all_pids, assert_nothing_left, interrupt, start_serve
+from tests.deploy.serving import all_pids, assert_nothing_left, interrupt, start_serve
 from tests.engine.sim.profiles import write_fast_profile
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import pytest
 from deploy.launch import REPO_ROOT
 from engine.sim.tokens import next_token, prompt_digest
 from engine.tokenizer import Tokenizer
-from tests.deploy.test_serve_e2e import all_pids, assert_nothing_left, interrupt, start_serve, wait_for
+from tests.deploy.serving import all_pids, assert_nothing_left, interrupt, start_serve, wait_for
 from tests.engine.sim.profiles import profile_rows
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Write a tiny Hugging Face checkpoint (tests/engine/conftest.py) as a GGUF file laid out the way
+"""Write a tiny Hugging Face checkpoint (tests/models.py) as a GGUF file laid out the way
 llama.cpp's convert_hf_to_gguf.py lays one out, for the GGUF loading tests.
 
 What follows llama.cpp: the architecture names (Mixtral is written as ``llama`` with an expert

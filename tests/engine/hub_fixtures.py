@@ -6,7 +6,9 @@ blobs). ``FakeHub`` is a tiny HTTP server speaking the part of the hub's API tha
 ``snapshot_download`` uses (repo info, tree listing, HEAD/GET of ``resolve`` URLs), so a
 process given ``HF_ENDPOINT=fake.url`` downloads from it; it counts every request, can
 serve a repo as gated (open with one token only) and can slow file bodies down.
-Runs in the pytest process (the server on a thread).
+Runs in the pytest process (the server on a thread). ``TINY_REPO`` is the id the session's
+``hub_cache`` fixture (tests/conftest.py) caches: the tiny Llama at ``MAIN`` (ref main) and its
+tied-embedding sibling at ``V2`` (ref v2).
 """
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ from urllib.parse import unquote, urlsplit
 def commit_of(name: str) -> str:
     """A stable 40-hex commit hash for a test revision name."""
     return hashlib.sha1(name.encode()).hexdigest()
+
+
+TINY_REPO = "tiny-org/tiny-llama"
+MAIN, V2 = commit_of("main"), commit_of("v2")
 
 
 def write_hf_cache(cache: Path, repo_id: str, checkpoint: Path, commit: str,

@@ -10,7 +10,7 @@ import pytest
 
 from engine.block_manager import BlockAllocator, hash_block
 from engine.config import MAX_CACHE_SALT_CHARS, SamplingParams
-from tests.engine.conftest import random_prompt
+from tests.models import random_prompt
 from worker.convert import sampling_from_proto, sampling_to_proto
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

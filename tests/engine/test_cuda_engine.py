@@ -13,7 +13,7 @@ import torch
 
 from engine.attention import triton_backend
 from engine.config import SamplingParams, StructuredOutput
-from tests.engine.conftest import TINY_ARCHS, full_prompt_logits, hf_greedy, hf_logits, random_prompt, rel_error
+from tests.models import TINY_ARCHS, full_prompt_logits, greedy, hf_greedy, hf_logits, random_prompt, rel_error
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -24,10 +24,6 @@ LOGITS_REL_TOL_F32 = 1e-5
 # bfloat16 weights and activations against the float32 reference: bf16 keeps 8 mantissa bits
 # (relative rounding 2**-9 = 2e-3 per value), compounded over two layers and the head.
 LOGITS_REL_TOL_BF16 = 3e-2
-
-
-def greedy(max_tokens: int = 16) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 @pytest.mark.parametrize("name", TINY_ARCHS)

@@ -3,7 +3,7 @@ part of engine/models/arch.py): Qwen3-MoE (``qwen3moe``) and Mixtral (``llama`` 
 count), stacked expert tensors and the pre-2024 one-tensor-per-expert Mixtral layout, float32
 and quantized experts, broken files, and `tandem plan`.
 
-The files are the tiny transformers-made checkpoints of tests/engine/conftest.py written by
+The files are the tiny transformers-made checkpoints of tests/models.py written by
 tests/engine/gguf_writer.py in llama.cpp's layout, with SmolLM2's tokenizer.
 """
 from __future__ import annotations
@@ -27,8 +27,8 @@ from engine.loader import Checkpoint
 from engine.model_errors import ModelFileError
 from engine.model_source import ModelSource, load_arch, resolve_model
 from engine.models.arch import MoEConfig
-from tests.engine.conftest import full_prompt_logits, hf_greedy, hf_logits, random_prompt, rel_error
 from tests.engine.gguf_writer import write_gguf
+from tests.models import full_prompt_logits, hf_greedy, hf_logits, random_prompt, rel_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,6 +1,6 @@
 """Tests for engine/llm.py and engine/llm_engine.py: the whole colocated engine on a tiny model.
 
-One untied GQA Llama checkpoint (tests/engine/conftest.py) serves every test; transformers is
+One untied GQA Llama checkpoint (tests/models.py) serves every test; transformers is
 the reference. A greedy request must give the same tokens whatever shares its batch, however
 its prefill is chunked, whether its prefix came from the cache, and after being retracted; the
 KV pool must end every test with no block in use.
@@ -15,15 +15,11 @@ import pytest
 import torch
 
 from engine.config import SamplingParams
-from tests.engine.conftest import hf_greedy, hf_logits, random_prompt
+from tests.models import greedy, hf_greedy, hf_logits, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODEL = "llama"
-
-
-def greedy(max_tokens: int = 16, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def contiguous_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ import torch
 from engine.config import SamplingParams
 from engine.loader import Checkpoint, _unpermute_rope, resolve_model
 from engine.models.arch import SUPPORTED_ARCHITECTURES
-from tests.engine.conftest import random_prompt
+from tests.models import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

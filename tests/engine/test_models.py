@@ -16,7 +16,7 @@ import torch
 from engine.config import SamplingParams
 from engine.loader import Checkpoint, resolve_model
 from engine.models.arch import SUPPORTED_ARCHITECTURES
-from tests.engine.conftest import (
+from tests.models import (
     LLAMA3_ROPE,
     SMOLLM2,
     TINY_ARCHS,

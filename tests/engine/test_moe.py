@@ -2,8 +2,8 @@
 tiny random-weight Mixtral / Qwen2-MoE / Qwen3-MoE checkpoints against transformers in float32.
 
 The checkpoints are made by transformers' own config and model classes and saved as safetensors
-(``tests/engine/conftest.py``: TINY_MOE_SPECS); P/D and TP equality for them are in
-test_pd_twin.py and test_tensor_parallel.py beside the dense models'.
+(``tests/models.py``: TINY_MOE_SPECS); P/D and TP equality for them are in
+tests/workers/test_pd_twin.py and test_tensor_parallel.py beside the dense models'.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from engine.models import moe
 from engine.models.arch import SUPPORTED_ARCHITECTURES, MoEConfig
 from engine.models.layers import TensorParallel
 from engine.models.llama import check_tensor_parallel
-from tests.engine.conftest import TINY_MOE_ARCHS, full_prompt_logits, hf_greedy, hf_logits, random_prompt, rel_error
+from tests.models import TINY_MOE_ARCHS, full_prompt_logits, hf_greedy, hf_logits, random_prompt, rel_error
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

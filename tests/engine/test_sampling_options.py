@@ -13,7 +13,7 @@ import math
 import pytest
 
 from engine.config import SamplingParams
-from tests.engine.conftest import random_prompt
+from tests.models import greedy, random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -22,10 +22,6 @@ NUM_TOKENS = 48
 
 def sampled(max_tokens: int = NUM_TOKENS, **kwargs) -> SamplingParams:
     return SamplingParams(**{"temperature": 1.0, "max_tokens": max_tokens, "ignore_eos": True, **kwargs})
-
-
-def greedy(max_tokens: int = NUM_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def num_repeats(token_ids: list[int]) -> int:
@@ -60,11 +56,11 @@ def test_a_seed_gives_the_same_tokens_wherever_the_request_runs(tiny_model_dir, 
 def test_different_seeds_draw_different_tokens(llm, prompt):
     outs = llm.generate([prompt] * 4, [sampled(seed=s) for s in (1, 2, 3, 4)])
     assert len({tuple(o.token_ids) for o in outs}) == 4
-    assert all(o.token_ids != llm.generate(prompt, greedy())[0].token_ids for o in outs)
+    assert all(o.token_ids != llm.generate(prompt, greedy(NUM_TOKENS))[0].token_ids for o in outs)
 
 
 def test_top_k_1_and_min_p_1_are_greedy(llm, prompt):
-    [expected] = llm.generate(prompt, greedy())
+    [expected] = llm.generate(prompt, greedy(NUM_TOKENS))
     outs = llm.generate([prompt] * 4, [sampled(top_k=1, seed=5), sampled(top_k=1, seed=6),
                                        sampled(min_p=1.0, seed=7), sampled(min_p=1.0, temperature=2.0, seed=8)])
     assert [o.token_ids for o in outs] == [expected.token_ids] * 4

@@ -19,7 +19,7 @@ import torch
 from engine.cli_args import config_from_args, config_to_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 from engine.tp.group import Leader, TPGroup, free_local_port
-from tests.engine.conftest import random_prompt
+from tests.models import random_prompt
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -7,7 +7,7 @@ import pytest
 
 from protos.auth import METADATA_KEY, SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2
-from tests.router.conftest import start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import start_fake_cluster, stop_fake_cluster
 from tests.router.fake_workers import FakeWorker
 
 API_KEY = "tenant-key"

@@ -17,7 +17,6 @@ from deploy.launch import ServiceProcess, WorkerProcess
 from engine.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.server import Router
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
 from worker.process import READY_PREFIX
 
 pytestmark = pytest.mark.slow
@@ -40,7 +39,7 @@ def _start(role: str, model, log_dir, hold_at: int | None) -> ServiceProcess:
 
 
 @pytest.mark.parametrize("slow_role", ["prefill", "decode"])
-def test_a_worker_held_in_a_10_s_step_is_not_removed_and_no_request_fails(slow_role, tiny_model_dir,  # noqa: F811
+def test_a_worker_held_in_a_10_s_step_is_not_removed_and_no_request_fails(slow_role, tiny_model_dir,
                                                                           tmp_path, loop_thread):
     model = tiny_model_dir("llama")
     # The decode worker holds a step once its streams are running; the prefill worker holds its

@@ -17,15 +17,11 @@ import grpc
 import httpx
 import pytest
 
-from engine.tokenizer import Tokenizer
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-from router.config import RouterConfig
 from router.server import Router
 from tandem_client import TandemClient
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import random_prompt, smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
-from tests.router.conftest import RealWorker, start_fake_cluster, stop_fake_cluster
+from tests.models import random_prompt
+from tests.router.clusters import real_cluster, start_fake_cluster, stop_fake_cluster
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 NAME = "tiny"
@@ -78,29 +74,11 @@ def test_a_salt_of_256_characters_is_served(fake):
 # -- real workers ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory, loop_thread) -> Iterator[Router]:  # noqa: F811 - the fixture, by name
-    model = tiny_model_dir("llama")
-    log_dir = tmp_path_factory.mktemp("cache-salt")
-    workers = []
-    try:
-        workers = [RealWorker(role, model, log_dir, "--num-gpu-blocks-override", "64")
-                   for role in ("prefill", "decode")]
-        config = RouterConfig(model=str(model), served_model_name=NAME, http_port=0, grpc_port=0,
-                              prefill=(workers[0].address,), decode=(workers[1].address,),
-                              local_prefill_max_tokens=LOCAL_MAX_TOKENS,
-                              heartbeat_interval_s=0.3, heartbeat_timeout_s=1.0)
-
-        async def start() -> Router:
-            router = await Router(config, Tokenizer.from_model(str(model))).start()
-            for role in ("prefill", "decode"):
-                await router.registry.wait_healthy(role, 1)
-            return router
-        router = loop_thread.run(start())
+def cluster(tiny_model_dir, tmp_path_factory, loop_thread) -> Iterator[Router]:
+    for router, _ in real_cluster(loop_thread, tiny_model_dir("llama"), ("prefill", "decode"),
+                                  tmp_path_factory.mktemp("cache-salt"), NAME, "--num-gpu-blocks-override", "64",
+                                  local_prefill_max_tokens=LOCAL_MAX_TOKENS):
         yield router
-        loop_thread.run(router.stop())
-    finally:
-        for worker in workers:
-            worker.stop()
 
 
 def _cached(sdk: TandemClient, prompt, salt: str | None = None) -> int:

@@ -16,7 +16,7 @@ from protos.tandem.v1 import admin_pb2, admin_pb2_grpc, tandem_pb2, tandem_pb2_g
 from router.config import RouterConfig
 from router.server import Router
 from tandem_client import AsyncTandemClient, InvalidArgument, TandemError
-from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import MODEL, run, start_fake_cluster, until
 from tests.router.fake_workers import FakeDecode, FakePrefill, FakeWorker, fake_completion
 
 
@@ -28,24 +28,6 @@ def admin_stub(channel) -> SecretStub:
 def cluster_secret_metadata() -> tuple:
     """What GetCluster needs to name the workers' addresses (the controller sends it)."""
     return secret_metadata(require_secret("the test"))
-
-
-def run(loop_thread, tokenizer, body, timeout_s: float = 60.0, **cluster_options):
-    async def main():
-        cluster = await start_fake_cluster(tokenizer, **cluster_options)
-        try:
-            return await body(cluster)
-        finally:
-            await stop_fake_cluster(cluster)
-    return loop_thread.run(main(), timeout_s)
-
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 def test_a_failing_decode_worker_is_replaced_mid_stream_without_gaps(loop_thread, tokenizer):

@@ -1,4 +1,4 @@
-"""End to end with real worker processes on the tiny random-weight model (tests/engine/conftest.py):
+"""End to end with real worker processes on the tiny random-weight model (tests/models.py):
 the openai client and the SDK agree, disconnects free every block, and kill -9 of a prefill or a
 decode worker mid-stream leaves every request complete with the undisturbed greedy text."""
 from __future__ import annotations
@@ -18,10 +18,8 @@ import pytest
 
 from router.policies.round_robin import RoundRobin
 from tandem_client import TandemClient
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.router.conftest import RealWorker, real_cluster
+from tests.metrics import metric, scrape
+from tests.router.clusters import RealWorker, real_cluster
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +28,7 @@ LOG_INTERVAL_S = 0.1    # a decode worker adds to tandem_generation_tokens_total
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir, tmp_path_factory, loop_thread):  # noqa: F811 - the imported fixture, by name
+def cluster(tiny_model_dir, tmp_path_factory, loop_thread):
     yield from real_cluster(loop_thread, tiny_model_dir("llama"), ("prefill", "prefill", "decode", "decode"),
                             tmp_path_factory.mktemp("router-e2e"), NAME, "--num-gpu-blocks-override", "256",
                             "--log-interval-s", str(LOG_INTERVAL_S))
@@ -108,12 +106,7 @@ def _blocks_used(router, loop_thread, workers: list[RealWorker]) -> dict[str, in
 def _generated_tokens(decoders: list[RealWorker]) -> float:
     """Tokens the decode workers generated so far, once their counters stopped moving."""
     def read() -> float:
-        total = 0.0
-        for w in decoders:
-            text = httpx.get(f"http://{w.metrics}/metrics", timeout=10).text
-            total += float(next(row for row in text.splitlines()
-                                if row.startswith("tandem_generation_tokens_total{")).split()[-1])
-        return total
+        return sum(metric(scrape(w.metrics), "tandem_generation_tokens_total") for w in decoders)
     last = read()
     while True:
         time.sleep(3 * LOG_INTERVAL_S)

@@ -11,8 +11,8 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2
 from tandem_client import AsyncTandemClient, InvalidArgument, TandemClient
-from tests.router.conftest import MODEL
-from tests.router.test_tool_calling import ANSWER_REPLY, CALL_REPLY, TIME_TOOL, WEATHER_TOOL, script, scripted_router
+from tests.router.clusters import MODEL
+from tests.router.scripted_decode import ANSWER_REPLY, CALL_REPLY, TIME_TOOL, WEATHER_TOOL, script, scripted_router
 
 DEEP: dict = {}
 for _ in range(200):

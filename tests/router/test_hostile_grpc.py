@@ -22,9 +22,8 @@ from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc, worker_pb2
 from router.config import RouterConfig
 from router.grpc_api import TandemServicer
 from router.server import Router
-from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import MODEL, fake_cluster_running, run, until
 from tests.router.fake_workers import FakePrefill, FakeWorker, fake_completion
-from tests.router.test_dispatch import run, until
 
 VOCAB = 49152
 MAX_MODEL_LEN = 256   # the fake workers'
@@ -35,9 +34,8 @@ BIG = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_le
 
 @pytest.fixture(scope="module")
 def cluster(loop_thread, tokenizer):
-    cluster = loop_thread.run(start_fake_cluster(tokenizer, **LIMITS))
-    yield cluster
-    loop_thread.run(stop_fake_cluster(cluster))
+    with fake_cluster_running(loop_thread, tokenizer, **LIMITS) as cluster:
+        yield cluster
 
 
 @pytest.fixture

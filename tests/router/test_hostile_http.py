@@ -18,7 +18,7 @@ import pytest
 
 from router.__main__ import parse_args
 from router.config import RouterConfig
-from tests.router.conftest import start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import start_fake_cluster, stop_fake_cluster
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 TIMEOUTS = {"http_header_timeout_s": 1.0, "http_body_timeout_s": 1.0, "http_min_body_rate": 64}

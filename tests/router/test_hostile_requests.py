@@ -18,22 +18,18 @@ import httpx
 import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
-from tests.router.conftest import start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import fake_cluster_running, start_fake_cluster, stop_fake_cluster
+from tests.router.hostile_cases import GRPC_CASES, LIMITS, completion_request
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
 VOCAB = 49152
-LIMITS = {"max_sub_requests": 8, "max_prompt_chars": 100_000, "max_request_body_bytes": 256 << 10}
 HI = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
 def cluster(loop_thread, tokenizer):
-    cluster = loop_thread.run(start_fake_cluster(tokenizer, **LIMITS))
-    yield cluster
-    loop_thread.run(stop_fake_cluster(cluster))
+    with fake_cluster_running(loop_thread, tokenizer, **LIMITS) as cluster:
+        yield cluster
 
 
 def post(base: str, path: str, body, headers: dict | None = None, timeout_s: float = 30.0) -> httpx.Response:
@@ -148,47 +144,6 @@ def _grpc_error(call, match: str) -> grpc.RpcError:
     with pytest.raises(grpc.RpcError, match=match) as info:
         list(call())
     return info.value
-
-
-def _generate(**fields) -> tandem_pb2.CompletionRequest:
-    sampling = fields.pop("sampling", {})
-    return tandem_pb2.CompletionRequest(prompt=fields.pop("prompt", "hi"), sampling=tandem_pb2.Sampling(**sampling),
-                                        **fields)
-
-
-def _chat(messages, **sampling) -> tandem_pb2.ChatRequest:
-    return tandem_pb2.ChatRequest(messages=[tandem_pb2.ChatMessage(role=r, content=c) for r, c in messages],
-                                  sampling=tandem_pb2.Sampling(**sampling))
-
-
-# (case, method, request, code, the field the message starts with or names)
-GRPC_CASES = [
-    ("prompt-and-token-ids", "Generate", _generate(prompt_token_ids=[1]), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
-    ("temperature-nan", "Generate", _generate(sampling={"temperature": float("nan")}),
-     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("temperature-inf", "Generate", _generate(sampling={"temperature": float("inf")}),
-     grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    ("top-p-zero", "Generate", _generate(sampling={"top_p": 0.0}), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    ("repetition-penalty-denormal", "Generate", _generate(sampling={"repetition_penalty": 1e-40}),
-     grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty"),
-    ("stop-token-id-past-vocab", "Generate", _generate(sampling={"stop_token_ids": [2**63 - 1]}),
-     grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
-    ("too-many-stop-token-ids", "Chat", _chat([("user", "x")], stop_token_ids=list(range(200))),
-     grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids"),
-    ("too-many-stop-strings", "Generate", _generate(sampling={"stop": ["a"] * 17}),
-     grpc.StatusCode.INVALID_ARGUMENT, "stop"),
-    ("seed-negative", "Generate", _generate(sampling={"seed": -1}), grpc.StatusCode.INVALID_ARGUMENT, "seed"),
-    ("max-tokens-negative", "Chat", _chat([("user", "x")], max_tokens=-5), grpc.StatusCode.INVALID_ARGUMENT,
-     "max_tokens"),
-    ("token-id-past-vocab", "Generate", _generate(prompt="", prompt_token_ids=[10**12]),
-     grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
-    ("request-id-too-long", "Generate", _generate(request_id="r" * 300), grpc.StatusCode.INVALID_ARGUMENT,
-     "request_id"),
-    ("chat-empty", "Chat", _chat([]), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
-    ("chat-over-char-cap", "Chat", _chat([("user", "y" * 60_000)] * 2), grpc.StatusCode.INVALID_ARGUMENT,
-     "max_prompt_chars"),
-    ("unknown-model", "Generate", _generate(model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
-]
 
 
 REFUSED_BEFORE_GRPC = {
@@ -357,8 +312,8 @@ def test_health_answers_in_milliseconds_while_a_huge_prompt_is_tokenized_and_ref
 # -- the real thing ------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_real_serve_refuses_hostile_requests_keeps_health_fast_and_frees_every_block(tmp_path, tiny_model_dir):  # noqa: F811
-    from tests.deploy.test_serve_e2e import interrupt, start_serve, wait_for
+def test_real_serve_refuses_hostile_requests_keeps_health_fast_and_frees_every_block(tmp_path, tiny_model_dir):
+    from tests.deploy.serving import interrupt, start_serve, wait_for
     dep = start_serve(tmp_path, "--model", str(tiny_model_dir("llama")), "--kv-cache-memory", str(64 << 20),
                       "--max-model-len", "256", "--dtype", "float32")
     try:
@@ -373,8 +328,8 @@ def test_real_serve_refuses_hostile_requests_keeps_health_fast_and_frees_every_b
             assert error_of(post(dep.http, path, body), status)["param"] == param, (path, status)
         with grpc.insecure_channel(grpc_address) as channel:
             stub = tandem_pb2_grpc.TandemStub(channel)
-            error = _grpc_error(lambda: stub.Generate(_generate(sampling={"temperature": float("inf")}), timeout=30),
-                                "temperature")
+            infinite = completion_request(sampling={"temperature": float("inf")})
+            error = _grpc_error(lambda: stub.Generate(infinite, timeout=30), "temperature")
             assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in error.details()
             call = channel.unary_stream("/tandem.v1.Tandem/Generate", request_serializer=lambda b: b,
                                         response_deserializer=tandem_pb2.CompletionChunk.FromString)

@@ -26,7 +26,6 @@ from router.json_limits import MAX_JSON_DEPTH, json_depth, loads_bounded
 from router.tool_calls import ForcedParser, HermesParser, Llama3JsonParser
 from router.tool_choice import MAX_TOOLS, ToolRequest, check_tools, prompt_inputs
 from router.tool_formats import ToolFormat
-from tests.router.conftest import start_fake_cluster, stop_fake_cluster
 
 CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
@@ -54,10 +53,8 @@ def nested(depth: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster(loop_thread, tokenizer):
-    cluster = loop_thread.run(start_fake_cluster(tokenizer))
-    yield cluster
-    loop_thread.run(stop_fake_cluster(cluster))
+def cluster(fake_cluster):
+    return fake_cluster   # tests/router/conftest.py: one router over a fake prefill and decode worker
 
 
 def post(cluster, body: dict, timeout_s: float = 120.0) -> httpx.Response:

@@ -11,7 +11,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.server import Router
-from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import MODEL, start_fake_cluster, stop_fake_cluster
 from tests.router.fake_workers import fake_completion
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tandem_client import AsyncTandemClient, Unavailable
+from tests.router.clusters import run, until
 from tests.router.fake_workers import fake_completion
-from tests.router.test_dispatch import run, until
 
 SHORT = [11, 12, 13]
 LONG = list(range(20, 40))

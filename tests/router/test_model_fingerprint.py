@@ -8,7 +8,7 @@ import pytest
 from engine.fingerprint import Fingerprint, ModelIdentity, model_identity
 from protos.auth import SecretStub, require_secret
 from protos.tandem.v1 import admin_pb2, admin_pb2_grpc
-from tests.router.conftest import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import MODEL, start_fake_cluster, stop_fake_cluster
 from tests.router.fake_workers import FakeWorker
 
 

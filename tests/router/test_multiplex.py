@@ -11,9 +11,10 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem_client import AsyncTandemClient, InvalidArgument, TandemError, Unauthenticated
+from tests.fake_tandem_service import generate_only_tandem_server
+from tests.router.clusters import run, until
 from tests.router.fake_workers import fake_completion
-from tests.router.test_dispatch import run, until
-from tests.router.test_hostile_requests import GRPC_CASES, LIMITS
+from tests.router.hostile_cases import GRPC_CASES, LIMITS
 
 
 def _start(key: int, prompt: list[int], max_tokens: int) -> tandem_pb2.MultiplexStart:
@@ -207,8 +208,7 @@ def test_a_router_that_stops_fails_the_open_requests_and_the_next_request_reopen
 
 
 def test_the_sdk_makes_a_call_per_request_on_a_server_without_multiplex():
-    from tests.deploy.test_bench_e2e import _grpc_stub  # a Tandem servicer with Generate only
-    server, stub, port = _grpc_stub()
+    server, stub, port = generate_only_tandem_server(0.002)
 
     async def main():
         async with AsyncTandemClient(f"127.0.0.1:{port}") as client:

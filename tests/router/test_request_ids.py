@@ -10,8 +10,8 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from tandem_client import AsyncTandemClient, TandemError
+from tests.router.clusters import run, until
 from tests.router.fake_workers import fake_completion
-from tests.router.test_dispatch import run, until
 
 
 def test_a_reused_client_request_id_never_joins_or_aborts_another_clients_request(loop_thread, tokenizer):

@@ -17,8 +17,7 @@ import pytest
 
 from protos.tandem.v1 import tandem_pb2
 from tandem_client import InvalidArgument, TandemClient
-from tests.engine.conftest import smollm2_gguf  # noqa: F401 - session fixture
-from tests.router.conftest import real_cluster
+from tests.router.clusters import real_cluster
 
 pytestmark = pytest.mark.slow
 NAME = "smol"
@@ -36,7 +35,7 @@ TEAM = {"type": "object",
 
 
 @pytest.fixture(scope="module")
-def cluster(smollm2_gguf, tmp_path_factory, loop_thread):  # noqa: F811
+def cluster(smollm2_gguf, tmp_path_factory, loop_thread):
     yield from real_cluster(loop_thread, smollm2_gguf, ("prefill", "decode", "decode"),
                             tmp_path_factory.mktemp("structured-e2e"), NAME, "--num-gpu-blocks-override", "128",
                             "--max-model-len", "512")

@@ -6,7 +6,6 @@ from the chat template), streaming deltas equal to the non-streamed answer, tool
 named, the other formats through the router, and the 400s."""
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 
@@ -14,47 +13,8 @@ import openai
 import pytest
 
 from engine.tokenizer import Tokenizer
-from router.config import RouterConfig
-from router.server import Router
-from tests.router.conftest import MODEL
-from tests.router.fake_workers import FakeWorker
-from tests.router.scripted_decode import scripted_decode_worker
-
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city"]}}}
-TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"timezone": {"type": "string"}}}}}
-CALL_REPLY = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
-              '"unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": '
-              '{"timezone": "Europe/Paris"}}\n</tool_call>')
-ANSWER_REPLY = "It is 18 degrees Celsius in Paris right now."
-
-
-@contextlib.contextmanager
-def scripted_router(loop_thread, tokenizer, **router_options):
-    """A router over a fake prefill and a scripted decode worker: (router, the decode servicer)."""
-    async def start():
-        prefill = await FakeWorker("prefill", max_model_len=4096).start()
-        decode = await scripted_decode_worker().start()
-        config = RouterConfig(model=MODEL, http_port=0, grpc_port=0, prefill=(prefill.address,),
-                              decode=(decode.address,), heartbeat_interval_s=0.2, **router_options)
-        router = await Router(config, tokenizer).start()
-        await router.registry.wait_healthy("prefill", 1)
-        await router.registry.wait_healthy("decode", 1)
-        return router, prefill, decode
-
-    router, prefill, decode = loop_thread.run(start())
-    try:
-        yield router, decode.servicer
-    finally:
-        async def stop():
-            await router.stop()
-            await prefill.stop()
-            await decode.stop()
-        loop_thread.run(stop())
+from tests.router.clusters import MODEL
+from tests.router.scripted_decode import ANSWER_REPLY, CALL_REPLY, TIME_TOOL, WEATHER_TOOL, script, scripted_router
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +36,6 @@ def decode(cluster, tokenizer):
     servicer.prompts.clear()
     servicer.sampling.clear()
     return servicer
-
-
-def script(decode, tokenizer, *replies: str) -> None:
-    decode.replies.extend(tokenizer.encode(r, add_special_tokens=False) for r in replies)
 
 
 def test_two_turn_tool_conversation(client, decode, tokenizer):

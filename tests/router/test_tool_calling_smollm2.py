@@ -8,17 +8,12 @@ at its default."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from deploy.launch import WorkerProcess
-from engine.tokenizer import Tokenizer
-from router.config import RouterConfig
-from router.server import Router
-from tests.engine.conftest import smollm2_gguf  # noqa: F401 - the session fixture, registered here
+from tests.router.clusters import real_cluster
 
 pytestmark = pytest.mark.slow
 NAME = "smollm2"
@@ -33,37 +28,12 @@ TIME = {"type": "function", "function": {
                    "required": ["timezone"], "additionalProperties": False}}}
 
 
-def _worker(role: str, model: Path, log_dir: Path) -> WorkerProcess:
-    log = open(log_dir / f"{role}.stderr", "wb")  # noqa: SIM115 - closed with the process at teardown
-    worker = WorkerProcess(role, ["--model", str(model), "--port", "0", "--metrics-port", "0", "--dtype", "float32",
-                                  "--device", "cpu", "--num-threads", "1", "--num-gpu-blocks-override", "128",
-                                  "--block-size", "16", "--max-model-len", "2048"],
-                           stderr=log, env={"OMP_NUM_THREADS": "1"})
-    worker.log = log
-    return worker
-
-
 @pytest.fixture(scope="module")
-def client(smollm2_gguf, tmp_path_factory, loop_thread):  # noqa: F811 - the imported fixture, by name
+def client(smollm2_gguf, tmp_path_factory, loop_thread):
     logs = tmp_path_factory.mktemp("tools-smollm2")
-    workers = []
-    try:
-        workers += [_worker("prefill", smollm2_gguf, logs), _worker("decode", smollm2_gguf, logs)]
-        config = RouterConfig(model=str(smollm2_gguf), served_model_name=NAME, http_port=0, grpc_port=0,
-                              prefill=(workers[0].grpc,), decode=(workers[1].grpc,), heartbeat_interval_s=0.3)
-
-        async def start():
-            router = await Router(config, Tokenizer.from_gguf(smollm2_gguf)).start()
-            await router.registry.wait_healthy("prefill", 1)
-            await router.registry.wait_healthy("decode", 1)
-            return router
-        router = loop_thread.run(start(), timeout_s=180)
+    for router, _ in real_cluster(loop_thread, smollm2_gguf, ("prefill", "decode"), logs, NAME,
+                                  "--num-gpu-blocks-override", "128", "--max-model-len", "2048"):
         yield openai.OpenAI(base_url=f"http://{router.http_address}/v1", api_key="x", max_retries=0, timeout=300)
-        loop_thread.run(router.stop())
-    finally:
-        for worker in workers:
-            worker.stop(15)
-            worker.log.close()
 
 
 def test_two_turn_conversation_with_a_forced_call(client):

@@ -3,12 +3,12 @@ and content they find, malformed calls kept as content, and the same result for 
 the text into streamed chunks."""
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
-from router.tool_calls import ForcedParser, HermesParser, Llama3JsonParser, Parsed
+from router.tool_calls import ForcedParser, HermesParser, Llama3JsonParser
+from tests.router.tool_parsing import calls, streamed
 
 QWEN_TWO_CALLS = (
     '<tool_call>\n{"name": "get_current_temperature", "arguments": {"location": "San Francisco, CA, USA", '
@@ -28,19 +28,6 @@ LLAMA_TEXT_BEFORE = ('I will check the weather in Paris.\n\n'
                      '{"name": "get_weather", "parameters": {"city": "Paris"}}')
 LLAMA_PLAIN = 'The JSON {"name": "Bob", "age": 3} describes a person.\n{"name": "Bob", "age": 3}\nDone.'
 LLAMA_BROKEN = '{"name": "get_weather", "parameters": {"city": "Paris"}'
-
-
-def calls(parsed: Parsed) -> list[tuple[str, dict]]:
-    return [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls]
-
-
-def streamed(parser_cls, text: str, cuts: list[int]) -> Parsed:
-    parser, out, start = parser_cls(), Parsed(), 0
-    for cut in sorted(cuts) + [len(text)]:
-        out.extend(parser.feed(text[start:cut]))
-        start = cut
-    out.extend(parser.finish())
-    return out
 
 
 def test_qwen_two_calls():

@@ -16,7 +16,7 @@ from router.tool_calls_mistral import MistralParser
 from router.tool_calls_pythonic import PythonicParser
 from router.tool_calls_xml import Qwen3CoderParser
 from router.tool_formats import PARSERS, ToolFormat, detect
-from tests.router.test_tool_calls import calls, streamed
+from tests.router.tool_parsing import calls, streamed
 
 # Mistral-7B-Instruct-v0.3 / Mixtral-8x22B (tokenizer v3): one marker, a JSON list.
 MISTRAL_V3 = ('[TOOL_CALLS] [{"name": "get_current_weather", "arguments": {"city": "Dallas", "state": "TX", '

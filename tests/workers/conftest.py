@@ -1,6 +1,7 @@
-"""Fixtures for the worker-process tests: the tiny checkpoint, worker processes, references.
+"""Fixtures for the worker tests: the tiny checkpoint, worker processes, references, and the
+in-process P/D twin (``pd_twin``: the real role loops on two engines, no processes).
 
-The tiny random-weight Llama of tests/engine/conftest.py (SmolLM2 tokenizer beside it) serves
+The tiny random-weight Llama of tests/models.py (SmolLM2 tokenizer beside it) serves
 every test but the SmolLM2 one. Workers run as real processes on one torch thread each (the
 machine has 2 cores shared by two workers and pytest) and are always stopped at teardown; a
 worker's stderr is printed at teardown, which pytest shows only for a failed test.
@@ -13,22 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.config import SamplingParams
-
-# Session fixtures that build the tiny HF checkpoint (imported so pytest registers them here).
-from tests.engine.conftest import random_prompt, smollm2_gguf, smollm2_tokenizer, tiny_model_dir, tokenizer_files  # noqa: F401
-from tests.workers.harness import Worker
-
-BLOCK_SIZE = 16
-POOL_BLOCKS = 256
-REFERENCE_BLOCKS = 512
-# Worker logprobs against the colocated LLM's, float32 on both sides: at most 3e-6 apart measured
-# (batches differ between the two, so the reductions do too).
-LOGPROB_ABS_TOL = 2e-5
+import kvtransfer
+from decode_worker.worker import DecodeJob, DecodeLoop
+from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from prefill_worker.worker import Destination, PrefillLoop
+from tests.workers.harness import BLOCK_SIZE, REFERENCE_BLOCKS, Worker, pool_flags, start_pair
+from worker.config import WorkerConfig
+from worker.metrics import WorkerMetrics
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tiny_model_dir) -> Path:  # noqa: F811 - the imported fixture, by name
+def tiny_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("llama")
 
 
@@ -61,8 +58,73 @@ def spawn_module(tmp_path_factory) -> Iterator[Callable[..., Worker]]:
     yield from _spawner(tmp_path_factory.mktemp("workers"))
 
 
-def pool_flags(num_blocks: int = POOL_BLOCKS, block_size: int = BLOCK_SIZE) -> list[str]:
-    return ["--num-gpu-blocks-override", str(num_blocks), "--block-size", str(block_size)]
+@pytest.fixture(scope="package")
+def shared_pair(tmp_path_factory, tiny_dir) -> Iterator[tuple[Worker, Worker]]:
+    """A prefill and a decode worker process on the tiny Llama (256-block pools, the shm backend,
+    a log line a second), started once for the modules of this folder that need no flags of
+    their own (a pair takes ~8 s to start on 2 cores) and stopped when the folder is done, so no
+    other folder's check for leftover worker processes sees them. Take it through ``pd_pair``."""
+    for spawn in _spawner(tmp_path_factory.mktemp("workers-shared")):
+        yield start_pair(spawn, tiny_dir, *pool_flags(), "--kv-backend", "shm", "--log-interval-s", "1",
+                         names=("prefill-shared", "decode-shared"))
+
+
+@pytest.fixture(scope="module")
+def pd_pair(shared_pair) -> Iterator[tuple[Worker, Worker]]:
+    """The session's shared prefill/decode pair, for one module; both must be idle when it ends,
+    so the next module starts from nothing in flight."""
+    from tests.workers.harness import wait_idle
+
+    yield shared_pair
+    wait_idle(*shared_pair)
+
+
+@pytest.fixture
+def pd_twin(tiny_model_dir):
+    """``pd_twin(**options)`` -> (PrefillLoop, DecodeLoop): the in-process twin of a prefill/decode
+    pair, two engines on the fake kvtransfer backend, no processes and no gRPC; stopped afterwards."""
+    made = []
+
+    def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128,
+             device: str = "cpu", model: str = "llama", kv_lease_s: float = 30.0):
+        model_dir = str(tiny_model_dir(model))
+
+        def engine(keep: bool, blocks: int) -> LLMEngine:
+            e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device=device, max_model_len=max_model_len),
+                          CacheConfig(block_size=4, num_gpu_blocks_override=blocks),
+                          SchedulerConfig(chunked_prefill_size=chunked_prefill_size), keep_finished_blocks=keep)
+            made.append(e)
+            return e
+        fabric = kvtransfer.FakeFabric()
+        config = WorkerConfig(kv_backend="fake", log_interval_s=60, kv_lease_s=kv_lease_s)
+        p_engine, d_engine = engine(True, 256), engine(False, decode_blocks)
+        pool = d_engine.runner.kv_pool.tensor
+        receiver = kvtransfer.create_receiver(pool, kvtransfer.KVLayout.of_pool(pool), "fake", fabric=fabric)
+        prefill = PrefillLoop(p_engine, config, WorkerMetrics("prefill"), fabric=fabric)
+        prefills = {"in-process": prefill}
+
+        def send_destination(job: DecodeJob, descriptor: bytes) -> None:  # the SetDestination RPC
+            destination = Destination(list(job.transfer_block_ids), descriptor)
+            target = prefills.get(job.prefill_address)
+            if target is not None:  # an unknown address is a prefill worker that died
+                target.call(lambda: target.set_destination(job.request_id, destination))
+
+        decode = DecodeLoop(d_engine, config, WorkerMetrics("decode"), receiver, send_destination)
+        prefill.start()
+        decode.start()
+        made.append((prefill, decode, receiver))
+        return prefill, decode
+
+    yield make
+    for item in made:
+        if isinstance(item, tuple):
+            prefill, decode, receiver = item
+            decode.stop()
+            prefill.stop()
+            prefill.close()
+            receiver.close()
+        else:
+            item.close()
 
 
 @pytest.fixture(scope="session")
@@ -90,39 +152,3 @@ def reference(tiny_dir) -> Iterator[Callable[..., list]]:
     yield run
     for llm in made.values():
         llm.close()
-
-
-def prompts_for(lengths: list[int], seed: int) -> list[list[int]]:
-    return [random_prompt(seed=seed + i, num_tokens=n) for i, n in enumerate(lengths)]
-
-
-def check_greedy_matches_colocated(prefill, decode, reference, lengths: list[int], max_tokens: list[int],
-                                   seed: int, tag: str) -> list:
-    """Concurrent greedy requests through the P/D pair: every one gives the colocated LLM's tokens
-    and ends with finish_reason "length"; returns the results (both workers idle again)."""
-    from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
-
-    prompts = prompts_for(lengths, seed=seed)
-    expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens])
-    results = run_concurrently([
-        (lambda i=i: generate(prefill, decode, f"{tag}-{i}", prompts[i], greedy(max_tokens[i])))
-        for i in range(len(prompts))])
-    assert len(results) == len(expected) == len(prompts)
-    for i, (result, ref) in enumerate(zip(results, expected)):
-        assert result.error is None and result.submit_error is None, (i, result.error, result.submit_error)
-        assert result.token_ids == ref.token_ids, f"request {i} (prompt {lengths[i]} tokens)"
-        assert result.final.finish_reason == "length"
-    wait_idle(prefill, decode)
-    return results
-
-
-def check_logprobs_match(result, ref, num_top: int) -> None:
-    """A worker pair's TokenLogprobs equal the colocated LLM's entries: one per token, the
-    sampled token's logprob, and the top ``num_top`` token ids (in order) with their logprobs."""
-    assert len(result.logprobs) == len(ref.logprobs) == len(ref.token_ids)
-    for token, entry, got in zip(ref.token_ids, ref.logprobs, result.logprobs):
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-        assert got.token_id == token
-        assert got.logprob == pytest.approx(entry[token], abs=LOGPROB_ABS_TOL)
-        assert list(got.top_token_ids) == [t for t, _ in top]
-        assert list(got.top_logprobs) == pytest.approx([lp for _, lp in top], abs=LOGPROB_ABS_TOL)

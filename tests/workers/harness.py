@@ -1,4 +1,5 @@
-"""Helpers for the worker-process tests: start a prefill/decode worker, drive requests, poll.
+"""Helpers for the worker-process tests: start a prefill/decode worker, drive requests, poll, and
+compare a pair's output with the colocated LLM's.
 
 Runs in the pytest process. Workers are real ``python -m prefill_worker`` / ``decode_worker``
 processes; the client side uses the sync ``grpc`` API and threads, like a router would use
@@ -16,15 +17,24 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from deploy.launch import WorkerProcess, WorkerStartError
+from engine.config import SamplingParams
 from protos.auth import SecretClientInterceptor, require_secret
 from protos.streams import refusal
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
+from tests.models import random_prompt
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90.0     # two workers and pytest share 2 cores; model load is ~2-10 s
 RPC_TIMEOUT_S = 60.0
+BLOCK_SIZE = 16
+POOL_BLOCKS = 256
+REFERENCE_BLOCKS = 512
+# Worker logprobs against the colocated LLM's, float32 on both sides: at most 3e-6 apart measured
+# (batches differ between the two, so the reductions do too).
+LOGPROB_ABS_TOL = 2e-5
 
 
 class Worker(WorkerProcess):
@@ -236,3 +246,53 @@ def wait_idle(*workers: Worker, timeout_s: float = 15.0) -> None:
     for worker in workers:
         wait_until(lambda w=worker: w.stats().kv_blocks_used == 0, timeout_s,
                    lambda w=worker: f"{w.role} kv_blocks_used == 0; Stats now: {w.stats()}")
+
+
+def start_pair(spawn: Callable[..., Worker], model: Path | str, *flags: str, decode_model: Path | str | None = None,
+               prefill_flags: tuple[str, ...] = (), decode_flags: tuple[str, ...] = (),
+               names: tuple[str | None, str | None] = (None, None)) -> tuple[Worker, Worker]:
+    """A prefill and a decode worker from ``spawn`` (the fixture), both started before either is
+    waited on, so their models load side by side; returns them once both are ready."""
+    prefill = spawn("prefill", model, *flags, *prefill_flags, name=names[0], wait=False)
+    decode = spawn("decode", decode_model or model, *flags, *decode_flags, name=names[1], wait=False)
+    prefill.wait_ready()
+    decode.wait_ready()
+    return prefill, decode
+
+
+def pool_flags(num_blocks: int = POOL_BLOCKS, block_size: int = BLOCK_SIZE) -> list[str]:
+    return ["--num-gpu-blocks-override", str(num_blocks), "--block-size", str(block_size)]
+
+
+def prompts_for(lengths: list[int], seed: int) -> list[list[int]]:
+    return [random_prompt(seed=seed + i, num_tokens=n) for i, n in enumerate(lengths)]
+
+
+def check_greedy_matches_colocated(prefill, decode, reference, lengths: list[int], max_tokens: list[int],
+                                   seed: int, tag: str) -> list:
+    """Concurrent greedy requests through the P/D pair: every one gives the colocated LLM's tokens
+    and ends with finish_reason "length"; returns the results (both workers idle again)."""
+    prompts = prompts_for(lengths, seed=seed)
+    expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens])
+    results = run_concurrently([
+        (lambda i=i: generate(prefill, decode, f"{tag}-{i}", prompts[i], greedy(max_tokens[i])))
+        for i in range(len(prompts))])
+    assert len(results) == len(expected) == len(prompts)
+    for i, (result, ref) in enumerate(zip(results, expected)):
+        assert result.error is None and result.submit_error is None, (i, result.error, result.submit_error)
+        assert result.token_ids == ref.token_ids, f"request {i} (prompt {lengths[i]} tokens)"
+        assert result.final.finish_reason == "length"
+    wait_idle(prefill, decode)
+    return results
+
+
+def check_logprobs_match(result, ref, num_top: int) -> None:
+    """A worker pair's TokenLogprobs equal the colocated LLM's entries: one per token, the
+    sampled token's logprob, and the top ``num_top`` token ids (in order) with their logprobs."""
+    assert len(result.logprobs) == len(ref.logprobs) == len(ref.token_ids)
+    for token, entry, got in zip(ref.token_ids, ref.logprobs, result.logprobs):
+        top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+        assert got.token_id == token
+        assert got.logprob == pytest.approx(entry[token], abs=LOGPROB_ABS_TOL)
+        assert list(got.top_token_ids) == [t for t, _ in top]
+        assert list(got.top_logprobs) == pytest.approx([lp for _, lp in top], abs=LOGPROB_ABS_TOL)

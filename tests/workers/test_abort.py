@@ -15,8 +15,19 @@ import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until
+from tests.metrics import metric, scrape
+from tests.workers.harness import (
+    collect,
+    generate,
+    greedy,
+    open_generate,
+    pool_flags,
+    prompts_for,
+    start_pair,
+    submit,
+    wait_idle,
+    wait_until,
+)
 
 LEASE_S = 30          # the backstop; every test here must free blocks far sooner
 FREED_WITHIN_S = 5.0
@@ -28,17 +39,11 @@ LONG_MAX_TOKENS = 240  # with a 12-token prompt, all the tiny model's 256 positi
 @pytest.fixture(scope="module")
 def pair(spawn_module, tiny_dir):
     flags = [*pool_flags(), "--kv-lease-s", str(LEASE_S), "--log-interval-s", str(LOG_INTERVAL_S)]
-    prefill = spawn_module("prefill", tiny_dir, *flags, "--chunked-prefill-size", str(PREFILL_CHUNK))
-    decode = spawn_module("decode", tiny_dir, *flags)
-    return prefill, decode
+    return start_pair(spawn_module, tiny_dir, *flags, prefill_flags=("--chunked-prefill-size", str(PREFILL_CHUNK)))
 
 
 def counter_total(worker, name: str) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10).read().decode()
-    line = next(row for row in text.splitlines() if row.startswith(name + "{"))
-    return float(line.split()[-1])
+    return metric(scrape(worker.metrics), name)
 
 
 def prompt_tokens_total(prefill) -> float:

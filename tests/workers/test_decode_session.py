@@ -16,9 +16,7 @@ import grpc
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import prompts_for
-from tests.workers.harness import greedy, submit, wait_idle, wait_until
-from tests.workers.test_local_prefill import pair  # noqa: F401 - the fixture, by name
+from tests.workers.harness import greedy, prompts_for, submit, wait_idle, wait_until
 
 
 class Session:
@@ -61,8 +59,8 @@ class Session:
         self._outbox.put(None)          # half-close: the worker ends the stream once nothing is open
 
 
-def test_requests_on_one_session_match_colocated_and_share_messages(pair, reference):  # noqa: F811
-    prefill, decode = pair
+def test_requests_on_one_session_match_colocated_and_share_messages(pd_pair, reference):
+    prefill, decode = pd_pair
     lengths, max_tokens = [3, 70, 17, 40, 9, 25], [12, 20, 16, 8, 20, 14]
     prompts = prompts_for(lengths, seed=7300)
     expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens])
@@ -105,8 +103,8 @@ def test_requests_on_one_session_match_colocated_and_share_messages(pair, refere
     wait_idle(prefill, decode)
 
 
-def test_an_abort_on_the_session_and_a_dropped_session_free_every_block(pair):  # noqa: F811
-    prefill, decode = pair
+def test_an_abort_on_the_session_and_a_dropped_session_free_every_block(pd_pair):
+    prefill, decode = pd_pair
     prompts = prompts_for([60, 50, 30], seed=7400)
     session = Session(decode)
     shipped = worker_pb2.GenerateRequest(request_id="drop-shipped", prompt_token_ids=prompts[0], sampling=greedy(400),

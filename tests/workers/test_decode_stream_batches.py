@@ -17,7 +17,6 @@ from engine.config import SamplingParams
 from prefill_worker.worker import PrefillJob
 from protos.streams import refusal
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
-from tests.engine.test_pd_twin import pair  # noqa: F401 - the fixture, by name
 
 VOCAB = 100
 
@@ -109,8 +108,8 @@ def test_one_thread_hop_per_batch_and_a_lagging_stream_gets_its_steps_in_one_mes
     assert len(hops) == 3                                          # one cross-thread call per step
 
 
-def test_the_decode_loop_delivers_each_step_for_every_running_request_in_one_call(pair):  # noqa: F811
-    prefill, decode = pair()
+def test_the_decode_loop_delivers_each_step_for_every_running_request_in_one_call(pd_twin):
+    prefill, decode = pd_twin()
     batches: list[list[tuple]] = []
     lock = threading.Lock()
 

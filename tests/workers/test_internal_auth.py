@@ -10,8 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deploy.launch import WorkerProcess, WorkerStartError
 from protos.auth import METADATA_KEY, SECRET_ENV, SECRET_FILE_ENV
 from protos.tandem.v1 import worker_pb2, worker_pb2_grpc
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import greedy, submit
+from tests.workers.harness import greedy, pool_flags, prompts_for, submit
 
 PROMPT = prompts_for([12], seed=9700)[0]
 WRONG = ((METADATA_KEY, "not-the-cluster-secret-at-all"),)

@@ -11,8 +11,7 @@ import pytest
 
 from decode_worker.servicer import PrefillClients
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import greedy, open_generate
+from tests.workers.harness import greedy, open_generate, pool_flags, prompts_for
 
 PROMPT = prompts_for([20], seed=9600)[0]
 BAD_ADDRESSES = ["unix:/tmp/tandem-not-a-prefill.sock", "unix-abstract:x", "dns:///127.0.0.1:5000",

@@ -5,27 +5,25 @@ KV a prefill worker ships into the same pool, and loses nothing when a request e
 Real processes on the tiny random-weight Llama (tests/workers/conftest.py)."""
 from __future__ import annotations
 
-import urllib.request
-
 import grpc
 import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import collect, generate, greedy, open_generate, run_concurrently, wait_idle, wait_until
+from tests.metrics import metric, scrape
+from tests.workers.harness import (
+    collect,
+    generate,
+    greedy,
+    open_generate,
+    prompts_for,
+    run_concurrently,
+    wait_idle,
+    wait_until,
+)
 
 LENGTHS = [3, 90, 17, 33, 64, 5, 48, 16]
 MAX_TOKENS = [5, 24, 12, 8, 20, 24, 6, 15]
-
-
-@pytest.fixture(scope="module")
-def pair(spawn_module, tiny_dir):
-    flags = [*pool_flags(), "--log-interval-s", "1"]
-    prefill = spawn_module("prefill", tiny_dir, *flags, name="prefill")
-    decode = spawn_module("decode", tiny_dir, *flags, name="decode")
-    yield prefill, decode
-    wait_idle(prefill, decode)
 
 
 def open_local(decode, request_id: str, prompt: list[int], sampling: worker_pb2.SamplingParams):
@@ -33,13 +31,11 @@ def open_local(decode, request_id: str, prompt: list[int], sampling: worker_pb2.
 
 
 def local_prefills(decode) -> float:
-    text = urllib.request.urlopen(f"http://{decode.metrics}/metrics", timeout=10).read().decode()
-    [line] = [x for x in text.splitlines() if x.startswith("tandem_local_prefills_total")]
-    return float(line.split()[-1])
+    return metric(scrape(decode.metrics), "tandem_local_prefills_total")
 
 
-def test_local_and_shipped_prompts_side_by_side_match_colocated(pair, reference):
-    prefill, decode = pair
+def test_local_and_shipped_prompts_side_by_side_match_colocated(pd_pair, reference):
+    prefill, decode = pd_pair
     before = local_prefills(decode)
     prompts = prompts_for(LENGTHS, seed=7000)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
@@ -69,8 +65,8 @@ def test_local_and_shipped_prompts_side_by_side_match_colocated(pair, reference)
     wait_idle(prefill, decode)
 
 
-def test_a_local_prefill_cancelled_or_aborted_frees_its_blocks(pair):
-    prefill, decode = pair
+def test_a_local_prefill_cancelled_or_aborted_frees_its_blocks(pd_pair):
+    prefill, decode = pd_pair
     [prompt] = prompts_for([80], seed=7100)
     call = open_local(decode, "local-cancel", prompt, greedy(240))
     first = next(call)
@@ -86,8 +82,8 @@ def test_a_local_prefill_cancelled_or_aborted_frees_its_blocks(pair):
     wait_idle(decode)
 
 
-def test_a_local_request_has_no_prefill_worker_to_move(pair):
-    prefill, decode = pair
+def test_a_local_request_has_no_prefill_worker_to_move(pd_pair):
+    prefill, decode = pd_pair
     [prompt] = prompts_for([40], seed=7200)
     call = open_local(decode, "local-move", prompt, greedy(200))
     next(call)
@@ -100,8 +96,8 @@ def test_a_local_request_has_no_prefill_worker_to_move(pair):
 
 
 @pytest.mark.parametrize("prefill_address, local", [("", False), ("127.0.0.1:1", True)])
-def test_a_prefill_worker_or_local_prefill_exactly_one(pair, prefill_address, local):
-    prefill, decode = pair
+def test_a_prefill_worker_or_local_prefill_exactly_one(pd_pair, prefill_address, local):
+    prefill, decode = pd_pair
     result = collect(open_generate(decode, prefill_address, f"both-{local}", [1, 2, 3], greedy(4), timeout_s=10,
                                    local_prefill=local))
     assert result.error is not None and result.error.code() == grpc.StatusCode.INVALID_ARGUMENT

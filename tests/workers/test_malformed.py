@@ -8,9 +8,16 @@ import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.engine.conftest import VOCAB_SIZE
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import generate, greedy, open_generate, submit, wait_idle, wait_until
+from tests.models import VOCAB_SIZE
+from tests.workers.harness import (
+    generate,
+    greedy,
+    open_generate,
+    prompts_for,
+    submit,
+    wait_idle,
+    wait_until,
+)
 
 MAX_MODEL_LEN = 256  # the tiny checkpoint's max_position_embeddings
 PROMPT = prompts_for([20], seed=9500)[0]
@@ -34,10 +41,9 @@ CASE_IDS = [case[0] for case in BAD_REQUESTS]
 
 
 @pytest.fixture(scope="module")
-def pair(spawn_module, tiny_dir, reference):
+def pair(pd_pair, reference):
     [expected] = reference([PROMPT], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-    prefill = spawn_module("prefill", tiny_dir, *pool_flags())
-    decode = spawn_module("decode", tiny_dir, *pool_flags())
+    prefill, decode = pd_pair
     yield prefill, decode
     # After everything below, both still serve a good request, and nothing leaked.
     result = generate(prefill, decode, "good-after-all", PROMPT, greedy(6))

@@ -7,9 +7,19 @@ import grpc
 import pytest
 
 from engine.fingerprint import Fingerprint, ModelIdentity, model_identity
-from tests.engine.conftest import random_prompt
-from tests.workers.conftest import BLOCK_SIZE, pool_flags
-from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until
+from tests.models import random_prompt
+from tests.workers.harness import (
+    BLOCK_SIZE,
+    collect,
+    generate,
+    greedy,
+    open_generate,
+    pool_flags,
+    start_pair,
+    submit,
+    wait_idle,
+    wait_until,
+)
 from tests.workers.rogue_prefill import RoguePrefill
 
 # A refused request's reserved decode blocks are freed when its lease ends (a writer that got the
@@ -21,10 +31,8 @@ LEASE_FLAGS = ["--kv-lease-s", "2"]
 def pair(spawn_module, tiny_model_dir):
     """A prefill worker of the tiny Llama and a decode worker of its tied-embedding sibling: the
     same KV layout (so blocks would land without complaint) but other weights."""
-    prefill = spawn_module("prefill", tiny_model_dir("llama"), *pool_flags(), *LEASE_FLAGS, name="prefill-llama")
-    decode = spawn_module("decode", tiny_model_dir("llama_tied"), *pool_flags(), *LEASE_FLAGS,
-                          name="decode-llama-tied")
-    return prefill, decode
+    return start_pair(spawn_module, tiny_model_dir("llama"), *pool_flags(), *LEASE_FLAGS,
+                      decode_model=tiny_model_dir("llama_tied"), names=("prefill-llama", "decode-llama-tied"))
 
 
 def test_workers_report_their_fingerprint_in_stats(pair, tiny_model_dir):
@@ -61,8 +69,9 @@ def test_prefill_and_decode_of_different_models_refuse_each_other(pair):
 
 def test_prefill_and_decode_of_different_kv_layouts_refuse_each_other(spawn, tiny_model_dir):
     """Same model, another block size: refused at the handshake, before any KV is written."""
-    prefill = spawn("prefill", tiny_model_dir("llama"), *pool_flags(block_size=8), *LEASE_FLAGS, name="prefill-b8")
-    decode = spawn("decode", tiny_model_dir("llama"), *pool_flags(), *LEASE_FLAGS, name="decode-b16")
+    prefill, decode = start_pair(spawn, tiny_model_dir("llama"), *LEASE_FLAGS,
+                                 prefill_flags=tuple(pool_flags(block_size=8)), decode_flags=tuple(pool_flags()),
+                                 names=("prefill-b8", "decode-b16"))
     result = generate(prefill, decode, "other-layout-0", random_prompt(seed=6, num_tokens=40), greedy(4))
     assert result.submit_error is None or result.submit_error.code() == grpc.StatusCode.ABORTED, result.submit_error
     assert result.error is not None and result.error.code() == grpc.StatusCode.UNAVAILABLE, result.error

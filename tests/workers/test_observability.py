@@ -7,14 +7,22 @@ from __future__ import annotations
 
 import signal
 import time
-import urllib.request
 
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import generate, greedy, run_concurrently, wait_idle, wait_until
+from tests.metrics import samples, scrape
+from tests.workers.harness import (
+    generate,
+    greedy,
+    pool_flags,
+    prompts_for,
+    run_concurrently,
+    start_pair,
+    wait_idle,
+    wait_until,
+)
 
 SERVICE = {"prefill": "tandem.v1.PrefillWorker", "decode": "tandem.v1.DecodeWorker"}
 LENGTHS = [9, 30, 17]
@@ -24,18 +32,12 @@ MAX_TOKENS = [5, 12, 8]
 @pytest.fixture(scope="module")
 def pair(spawn_module, tiny_dir):
     flags = [*pool_flags(), "--log-interval-s", "0.5"]
-    return spawn_module("prefill", tiny_dir, *flags), spawn_module("decode", tiny_dir, *flags)
+    return start_pair(spawn_module, tiny_dir, *flags)
 
 
 def metrics(worker) -> dict[str, float]:
     """Every sample of the worker's /metrics page: ``name{labels}`` -> value."""
-    text = urllib.request.urlopen(f"http://{worker.metrics}/metrics", timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+    return samples(scrape(worker.metrics))
 
 
 def sample(worker, name: str) -> float:

@@ -15,8 +15,17 @@ import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import check_greedy_matches_colocated, check_logprobs_match, pool_flags, prompts_for
-from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
+from tests.workers.harness import (
+    check_greedy_matches_colocated,
+    check_logprobs_match,
+    generate,
+    greedy,
+    pool_flags,
+    prompts_for,
+    run_concurrently,
+    start_pair,
+    wait_idle,
+)
 
 LENGTHS = [3, 90, 17, 33, 64, 5, 48, 16, 81, 29, 12, 70, 9, 55, 40, 24]
 MAX_TOKENS = [5, 24, 12, 8, 20, 24, 6, 15, 10, 18, 24, 7, 22, 11, 16, 9]
@@ -25,11 +34,13 @@ MAX_TOKENS = [5, 24, 12, 8, 20, 24, 6, 15, 10, 18, 24, 7, 22, 11, 16, 9]
 @pytest.fixture(scope="module", params=["shm", "tcp", "nixl"])
 def pair(request, spawn_module, tiny_dir):
     backend = request.param
+    if backend == "shm":   # the session's shared pair (tests/workers/conftest.py) runs on shm
+        yield request.getfixturevalue("pd_pair")
+        return
     if backend == "nixl":
         os.environ.setdefault("UCX_TLS", "tcp,self")   # the workers inherit it: UCX over loopback TCP
     flags = [*pool_flags(), "--kv-backend", backend, "--log-interval-s", "1"]
-    prefill = spawn_module("prefill", tiny_dir, *flags, name=f"prefill-{backend}")
-    decode = spawn_module("decode", tiny_dir, *flags, name=f"decode-{backend}")
+    prefill, decode = start_pair(spawn_module, tiny_dir, *flags, names=(f"prefill-{backend}", f"decode-{backend}"))
     yield prefill, decode
     wait_idle(prefill, decode)
 
@@ -103,8 +114,7 @@ def test_smollm2_chat_matches_colocated(spawn, tmp_path):
     finally:
         llm.close()
     flags = ["--num-gpu-blocks-override", "64", "--max-model-len", "512"]
-    prefill = spawn("prefill", DEFAULT_MODEL, *flags)
-    decode = spawn("decode", DEFAULT_MODEL, *flags)
+    prefill, decode = start_pair(spawn, DEFAULT_MODEL, *flags)
     result = generate(prefill, decode, "smollm2-chat", ref.prompt_token_ids,
                       worker_pb2.SamplingParams(temperature=0.0, max_tokens=32))
     assert result.error is None, result.error

@@ -10,9 +10,20 @@ import pytest
 
 from engine.config import SamplingParams
 from protos.tandem.v1 import worker_pb2
-from tests.engine.conftest import VOCAB_SIZE
-from tests.workers.conftest import POOL_BLOCKS, pool_flags, prompts_for
-from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until
+from tests.models import VOCAB_SIZE
+from tests.workers.harness import (
+    POOL_BLOCKS,
+    collect,
+    generate,
+    greedy,
+    open_generate,
+    pool_flags,
+    prompts_for,
+    start_pair,
+    submit,
+    wait_idle,
+    wait_until,
+)
 from tests.workers.rogue_prefill import RoguePrefill
 
 PROMPT = prompts_for([20], seed=9700)[0]   # 20 tokens fill 2 blocks of 16
@@ -26,9 +37,7 @@ def expected(reference) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pair(spawn_module, tiny_dir):
-    prefill = spawn_module("prefill", tiny_dir, *pool_flags())
-    decode = spawn_module("decode", tiny_dir, *pool_flags(), "--kv-lease-s", "3")
-    return prefill, decode
+    return start_pair(spawn_module, tiny_dir, *pool_flags(), decode_flags=("--kv-lease-s", "3"))
 
 
 @pytest.fixture

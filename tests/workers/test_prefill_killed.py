@@ -10,8 +10,17 @@ import grpc
 import pytest
 
 from engine.config import SamplingParams
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import collect, generate, greedy, open_generate, submit, wait_idle, wait_until
+from tests.workers.harness import (
+    collect,
+    generate,
+    greedy,
+    open_generate,
+    pool_flags,
+    prompts_for,
+    submit,
+    wait_idle,
+    wait_until,
+)
 
 LEASE_S = 2.0
 MARGIN_S = 3.0

@@ -10,8 +10,7 @@ so the pool runs dry mid-decode. The retracted requests are recomputed on the de
 from __future__ import annotations
 
 from engine.config import SamplingParams
-from tests.workers.conftest import pool_flags, prompts_for
-from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
+from tests.workers.harness import generate, greedy, pool_flags, prompts_for, run_concurrently, start_pair, wait_idle
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -22,9 +21,9 @@ MAX_TOKENS = [40, 44, 36, 40, 48, 38, 42, 40]        # prompt + output: 52-56 to
 
 def test_retraction_keeps_outputs_exact(spawn, tiny_dir, reference):
     common = ["--max-model-len", str(MAX_MODEL_LEN), "--log-interval-s", "0.5"]
-    prefill = spawn("prefill", tiny_dir, *pool_flags(256, BLOCK_SIZE), *common)
-    decode = spawn("decode", tiny_dir, *pool_flags(DECODE_BLOCKS, BLOCK_SIZE), *common,
-                   "--schedule-conservativeness", "0.3")
+    prefill, decode = start_pair(spawn, tiny_dir, *common, prefill_flags=tuple(pool_flags(256, BLOCK_SIZE)),
+                                 decode_flags=(*pool_flags(DECODE_BLOCKS, BLOCK_SIZE),
+                                               "--schedule-conservativeness", "0.3"))
     prompts = prompts_for(LENGTHS, seed=8000)
     expected = reference(prompts, [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS],
                          block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN)

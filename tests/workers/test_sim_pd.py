@@ -6,14 +6,22 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 
 from engine.config import SamplingParams
 from engine.llm import LLM
 from tests.engine.sim.profiles import write_fast_profile
-from tests.workers.conftest import POOL_BLOCKS, pool_flags, prompts_for
-from tests.workers.harness import generate, greedy, run_concurrently, wait_idle
+from tests.metrics import scrape
+from tests.workers.harness import (
+    POOL_BLOCKS,
+    generate,
+    greedy,
+    pool_flags,
+    prompts_for,
+    run_concurrently,
+    start_pair,
+    wait_idle,
+)
 
 LENGTHS = [3, 90, 17, 33, 64, 5]
 MAX_TOKENS = [5, 24, 12, 8, 20, 3]
@@ -26,8 +34,7 @@ def model(tmp_path_factory) -> str:
 
 def test_pd_stream_equals_colocated_sim(spawn_module, model):
     flags = [*pool_flags(), "--max-model-len", "1024", "--kv-backend", "shm", "--log-interval-s", "1"]
-    prefill = spawn_module("prefill", model, *flags, name="sim-prefill")
-    decode = spawn_module("decode", model, *flags, name="sim-decode")
+    prefill, decode = start_pair(spawn_module, model, *flags, names=("sim-prefill", "sim-decode"))
     prompts = prompts_for(LENGTHS, seed=4000)
     results = run_concurrently([
         (lambda i=i: generate(prefill, decode, f"sim-{i}", prompts[i], greedy(MAX_TOKENS[i])))
@@ -47,9 +54,5 @@ def test_pd_stream_equals_colocated_sim(spawn_module, model):
     wait_idle(prefill, decode)
     # every prompt's blocks crossed: (2 x 1 layer x 16 tokens x 4 values x 4 bytes) per block
     blocks = sum(-(-n // 16) for n in LENGTHS)
-    moved = re.search(r"^tandem_kv_transfer_bytes_total\{[^}]*\} (\S+)$", prefill_metrics(prefill), re.M)
+    moved = re.search(r"^tandem_kv_transfer_bytes_total\{[^}]*\} (\S+)$", scrape(prefill.metrics), re.M)
     assert moved is not None and float(moved.group(1)) == blocks * 2 * 16 * 4 * 4
-
-
-def prefill_metrics(worker) -> str:
-    return httpx.get(f"http://{worker.metrics}/metrics", timeout=10).text

