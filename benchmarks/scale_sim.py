@@ -27,7 +27,8 @@ prints one table. Every number is measured in this run (phase 3 runs first, on a
 4. **scale**: ``--scale A,B,A`` (A = the starting decode count) while ``--scale-streams`` client
    loops send streamed requests: the wall time of each `tandem scale decode N` (it returns when
    the controller has settled), the time of a `tandem status --json` (one controller reconcile
-   view), and the streams that failed.
+   view), and the streams that failed (``failed_at``: when in the phase each ended and the tokens
+   it had by then, beside each change's ``done_at_s``).
 5. **kills** (``--kills N``, optional): ``--kill-streams`` fixed greedy prompts are answered once
    undisturbed (the reference), then again while N random workers are kill -9'd, spaced
    ``--kill-every-s``; every stream must complete with the reference's text.
@@ -123,6 +124,7 @@ class Result:
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     num_tokens: int = 0
+    ended_at: float = 0.0     # time.monotonic() when the stream ended (or failed)
 
 
 def prompt_ids(i: int, length: int = 64) -> list[int]:
@@ -176,6 +178,7 @@ async def stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_t
         result.error = f"no end within {timeout_s} s"
     except httpx.HTTPError as exc:
         result.error = f"{type(exc).__name__}: {exc}"[:160]
+    result.ended_at = time.monotonic()
     if first_token is not None:
         first_token.set()   # a failed stream must not keep the holder waiting
     return result
@@ -184,6 +187,12 @@ async def stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_t
 def client_for(http: str, num_connections: int) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=num_connections, max_keepalive_connections=num_connections)
     return httpx.AsyncClient(base_url=http, timeout=httpx.Timeout(None, connect=60), limits=limits)
+
+
+def failure_times(results: list[Result], t0: float, limit: int = 200) -> list[tuple[float, int, str]]:
+    """The first ``limit`` failures: (s after ``t0``, tokens received before it, why), by time."""
+    bad = sorted((r.ended_at - t0, r.num_tokens, r.error[:60]) for r in results if not r.ok)
+    return [(round(t, 1), n, why) for t, n, why in bad[:limit]]
 
 
 def failures(results: list[Result]) -> dict[str, int]:
@@ -300,6 +309,7 @@ async def load_until(http: str, model: str, num_loops: int, stop: asyncio.Event,
 async def phase_scale(http: str, model: str, dep: Deployment, args: argparse.Namespace) -> dict:
     results: list[Result] = []
     stop = asyncio.Event()
+    t0 = time.monotonic()
     load = asyncio.create_task(load_until(http, model, args.scale_streams, stop, args, results))
     changes = []
     try:
@@ -308,13 +318,14 @@ async def phase_scale(http: str, model: str, dep: Deployment, args: argparse.Nam
         under_load = {**machine(), "reconcile": json.loads(text).get("reconcile")}
         for count in args.scale[1:]:
             took, _ = await asyncio.to_thread(tandem, dep, "scale", "decode", str(count))
-            changes.append({"to": count, "s": took, "in_flight_done": len(results), **machine()})
+            changes.append({"to": count, "s": took, "done_at_s": time.monotonic() - t0,
+                            "in_flight_done": len(results), **machine()})
             print(f"  scale decode -> {count}: {took:.1f} s", flush=True)
     finally:
         stop.set()
         await asyncio.wait_for(load, args.timeout_s + 30)
     return {"changes": changes, "status_s": status_s, "under_load": under_load, "after": snapshot(dep),
-            "requests": len(results),
+            "failed_at": failure_times(results, t0), "requests": len(results),
             "failed": sum(not r.ok for r in results), "failures": failures(results)}
 
 
