@@ -130,6 +130,7 @@ class ModelRunner:
         self.leader: Leader | None = None
         self.kv_pool: KVPool | None = None
         self._untuned: list[PackedLinear] = []   # GGUF-backed linears tune_kernels has not timed
+        self._tuned = False
         try:
             self._start(model_config, cache_config, self.max_num_batched_tokens, checkpoint)
         except BaseException:
@@ -211,22 +212,40 @@ class ModelRunner:
         self._untuned = model.attach_quantized(checkpoint.quantized_weights())
 
     def tune_kernels(self) -> None:
-        """Let decode steps read the GGUF blocks up to the batch size where they measured faster
-        than the dense weights: once, on the calling thread with its torch threads. The first
-        step calls it, so it times the thread (and OpenMP team) that runs the steps; a worker
-        calls it on its engine thread before it says it is ready. Timed where a worker builds
-        its engine, on one thread (worker/loop.py), the compute-bound blocks lost to the
-        cache-bound dense weights even at batch 1 (SmolLM2 on 2 cores: 36.6 vs 27.4 ms), so served
-        decode never read them."""
+        """Choose, by timing, how far decode steps use the faster-at-small-batches linears: the
+        AMX kernel on the row-major bf16 weights (``PackedLinear.rows``), then the GGUF blocks
+        (against whichever of the two dense paths won). Once, on the calling thread with its
+        torch threads: the first step calls it, so it times the thread (and OpenMP team) that
+        runs the steps; a worker calls it on its engine thread before it says it is ready. Timed
+        where a worker builds its engine, on one thread (worker/loop.py), the compute-bound
+        blocks lost to the cache-bound dense weights even at batch 1 (SmolLM2 on 2 cores: 36.6
+        vs 27.4 ms), so served decode never read them."""
+        if self._tuned:
+            return
+        self._tuned = True
+        threads = torch.get_num_threads()
+        rows = [m for m in self.model.modules() if isinstance(m, PackedLinear) and m.rows is not None]
+        if rows:
+            with quant_linear.measuring_alone():
+                max_batch, timings = quant_linear.measure_max_batch(
+                    rows, self.dtype, candidate=lambda lin, x: lin.rows_forward(x))
+            measured = ", ".join(f"batch {b}: {a:.1f} vs {d:.1f} ms" for b, (a, d) in timings.items())
+            for lin in rows:
+                lin.rows_max_batch = max_batch
+                if max_batch == 0:
+                    lin.rows = None   # slower even at batch 1: do not keep a second copy
+            logger.info("AMX bf16 rows: %s (%d threads; AMX rows vs oneDNN packed, %d linears: %s)",
+                        f"steps of up to {max_batch} tokens" if max_batch else "not used", threads, len(rows),
+                        measured)
         linears, self._untuned = self._untuned, []
         if not linears:
             return
         with quant_linear.measuring_alone():
-            max_batch, timings = quant_linear.measure_max_batch(linears, self.dtype)
+            max_batch, timings = quant_linear.measure_max_batch(
+                linears, self.dtype, baseline=lambda lin, x: lin.unquantized_forward(x))
         measured = ", ".join(f"batch {b}: {q:.1f} vs {d:.1f} ms" for b, (q, d) in timings.items())
         blocks = [lin.quant for lin in linears if lin.quant is not None]   # every one: attach_quantized set them
         types = ", ".join(sorted({quant.name for quant in blocks}))
-        threads = torch.get_num_threads()
         if max_batch == 0:
             for lin in linears:
                 lin.quant = None   # slower here even at batch 1: keep only the dense weights
@@ -235,6 +254,8 @@ class ModelRunner:
             return
         for lin in linears:
             lin.quant_max_batch = max_batch
+            if lin.rows is not None and lin.rows_max_batch <= max_batch:
+                lin.rows, lin.rows_max_batch = None, 0   # the blocks cover every step the rows would
         logger.info("GGUF %s blocks: steps of up to %d tokens read %d linears' quantized weights (%.0f MB "
                     "beside %.0f MB dense; %d threads; quantized vs dense: %s)", types, max_batch, len(linears),
                     sum(quant.data.numel() for quant in blocks) / 1e6,
@@ -356,7 +377,7 @@ class ModelRunner:
         With followers, the step (and ``extra``, a msgpack-able dict for their role's
         ``after_layer``) is broadcast first and the whole forward runs as one transaction.
         """
-        if self._untuned:
+        if not self._tuned:
             self.tune_kernels()
         step = self.host_inputs(batch)
         inputs = self.to_device(step)
@@ -372,7 +393,7 @@ class ModelRunner:
     def execute_step(self, step: StepInputs, after_layer: Callable[[int], None] | None = None) -> None:
         """A follower's part of rank 0's step: the same forward on this rank's shard (its KV
         heads land in its own pool; the logits are rank 0's to compute)."""
-        if self._untuned:
+        if not self._tuned:
             self.tune_kernels()
         inputs = self.to_device(step)
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, after_layer)

@@ -86,6 +86,13 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach()
         self.quant: QuantizedWeight | None = None
         self.quant_max_batch = 0
+        # The row-major bf16 weight for the AMX kernel (``rows_linear``), used by steps of up to
+        # ``rows_max_batch`` tokens; ModelRunner.tune_kernels keeps it only where it measured faster.
+        # Not with a bias: the kernel rounds to bf16 before the bias is added, oneDNN after.
+        self.rows: torch.Tensor | None = (weight.detach().contiguous()
+                                          if quant_linear.amx_rows_available(weight.dtype) and bias is None
+                                          and self.in_features % 32 == 0 else None)
+        self.rows_max_batch = 0
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear:
@@ -94,7 +101,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.quant_max_batch and self.quant is not None:
             return self.quantized_forward(x)
+        return self.unquantized_forward(x)
+
+    def unquantized_forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.rows_max_batch and self.rows is not None:
+            return self.rows_forward(x)
         return self.dense_forward(x)
+
+    def rows_forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.rows is not None
+        return quant_linear.rows_linear(x, self.rows, self.bias)
 
     def dense_forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

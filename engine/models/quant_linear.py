@@ -16,7 +16,7 @@ import ctypes
 import fcntl
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "quant_linear.c"
-ABI_VERSION = 2
+ABI_VERSION = 3
 TUNE_BATCHES = (1, 4, 16, 32, 64, 128, 256)   # up to the first batch where the dense weights win
 TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
@@ -93,6 +93,24 @@ class _Kernel:
         self._fn_bf16 = lib.tandem_qlinear_bf16
         self._fn_bf16.argtypes = self._fn.argtypes
         self._fn_bf16.restype = ctypes.c_int
+        # Dense bfloat16 rows through the AMX unit (decode steps of a bf16 model, GGUF or not).
+        self._fn_rows = lib.tandem_linear_bf16
+        self._fn_rows.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i32]
+        self._fn_rows.restype = ctypes.c_int
+
+    def rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ weight.T (+ bias)`` for bfloat16 ``x`` and a row-major bfloat16 ``weight`` on AMX."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
+        status = self._fn_rows(x.data_ptr(), x.stride(0), x.shape[0], weight.shape[1], weight.data_ptr(),
+                               weight.stride(0), weight.shape[0], out.data_ptr(), out.stride(0),
+                               torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"AMX linear kernel: {STATUS_MESSAGES.get(status, status)}")
+        if bias is not None:
+            out += bias
+        return out
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
@@ -129,6 +147,20 @@ def load() -> _Kernel | None:
     return kernel if kernel.supported else None
 
 
+def amx_rows_available(dtype: torch.dtype) -> bool:
+    """Whether ``rows_linear`` runs here for ``dtype``: bfloat16 on a CPU with AMX."""
+    kernel = load()
+    return dtype == torch.bfloat16 and kernel is not None and kernel.amx
+
+
+def rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``, bfloat16, from the row-major ``weight`` on AMX (see
+    ``amx_rows_available``)."""
+    kernel = load()
+    assert kernel is not None and kernel.amx
+    return kernel.rows(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequantize(weight).T (+ bias)`` in ``x``'s dtype (computed in float32)."""
     kernel = load()
@@ -157,14 +189,17 @@ def measuring_alone() -> Iterator[None]:
 
 
 def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: tuple[int, ...] = TUNE_BATCHES,
-                      repeats: int = 3, dense_bytes: int = TUNE_DENSE_BYTES
+                      repeats: int = 3, dense_bytes: int = TUNE_DENSE_BYTES,
+                      candidate: Callable[[PackedLinear, torch.Tensor], torch.Tensor] | None = None,
+                      baseline: Callable[[PackedLinear, torch.Tensor], torch.Tensor] | None = None
                       ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The largest of ``batches`` up to which every tested batch ran ``linears`` (each holding
-    a ``quant``) faster from the quantized blocks than from the dense weights; 0 when batch 1
-    did not. Times the first linears holding ``dense_bytes`` of dense weights (all of a small
-    model), each once per batch and path (best of ``repeats``), so the weights stream from
-    memory as in a decode step while a large model's start-up does not pay for timing all of
-    them. Returns it with {batch: (quantized ms, dense ms)}."""
+    """The largest of ``batches`` up to which every tested batch ran ``linears`` faster through
+    ``candidate`` (default: each one's quantized blocks) than through ``baseline`` (default: its
+    oneDNN-packed dense weights); 0 when batch 1 did not. Times the first linears holding
+    ``dense_bytes`` of dense weights (all of a small model), each once per batch and path (best
+    of ``repeats``), so the weights stream from memory as in a decode step while a large model's
+    start-up does not pay for timing all of them. Returns it with {batch: (candidate ms,
+    baseline ms)}."""
     sample, total = [], 0
     for lin in linears:
         if total >= dense_bytes:
@@ -172,6 +207,8 @@ def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: 
         sample.append(lin)
         total += lin.in_features * lin.out_features * dtype.itemsize
     linears = sample
+    fast = candidate or (lambda lin, x: lin.quantized_forward(x))
+    slow = baseline or (lambda lin, x: lin.dense_forward(x))
     widths = {lin.in_features for lin in linears}
     timings: dict[int, tuple[float, float]] = {}
     best = 0
@@ -183,7 +220,7 @@ def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: 
                 started = time.perf_counter()
                 for lin in linears:
                     x = xs[lin.in_features]
-                    lin.quantized_forward(x) if quantized else lin.dense_forward(x)
+                    (fast if quantized else slow)(lin, x)
                 return (time.perf_counter() - started) * 1e3
 
             run(True), run(False)   # warm-up: first-touch of scratch, oneDNN primitive creation

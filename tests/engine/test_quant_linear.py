@@ -194,8 +194,8 @@ def test_gguf_blocks_match_the_loaded_weights(smollm2_checkpoint):
     assert seen == wanted
 
 
-def _assert_greedy_same_from_blocks(llm, linears) -> None:
-    """Greedy answers to two chat prompts with the dense weights, then with every linear reading its blocks."""
+def _assert_greedy_same(llm, linears, switch) -> None:
+    """Greedy answers to two chat prompts as the model stands, then after ``switch(lin)`` on every linear."""
     from engine.config import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -203,8 +203,13 @@ def _assert_greedy_same_from_blocks(llm, linears) -> None:
                [{"role": "user", "content": "List three prime numbers."}]]
     dense = [out.token_ids for out in llm.chat(prompts, params)]
     for lin in linears:
-        lin.quant_max_batch = 64
+        switch(lin)
     assert [out.token_ids for out in llm.chat(prompts, params)] == dense
+
+
+def _assert_greedy_same_from_blocks(llm, linears) -> None:
+    """... with the dense weights, then with every linear reading its blocks."""
+    _assert_greedy_same(llm, linears, lambda lin: setattr(lin, "quant_max_batch", 64))
 
 
 def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
@@ -298,5 +303,61 @@ def test_the_block_kernels_are_timed_on_the_thread_that_steps(smollm2_checkpoint
         assert linears and all(lin.quant_max_batch == 4 for lin in linears)
         llm.engine.tune_kernels()   # already timed: nothing more
         assert len(timed) == 1
+    finally:
+        llm.close()
+
+
+amx_only = pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="the AMX rows kernel needs a CPU with AMX (and bf16)")
+
+
+@amx_only
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])
+def test_amx_rows_match_float64_and_the_packed_weights(rows):
+    """The dense bfloat16 weights, row-major, on AMX (PackedLinear.rows): bf16 products summed in
+    float32 and rounded once, as oneDNN's packed weights give them. 37 output features leave a
+    partial tile of rows; a strided x; rows past 4 blocks of 16 take two passes."""
+    from engine.models.layers import PackedLinear
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(37, 96, generator=gen) * 0.1).bfloat16()
+    lin = PackedLinear(weight, None)
+    assert lin.rows is not None
+    x = torch.randn(rows, 128, generator=gen).bfloat16()[:, 16:112]   # row stride 128, not 96
+    got = lin.rows_forward(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+    ref = x.double() @ weight.double().T
+    scale = x.double().abs() @ weight.double().abs().T
+    error = (got.double() - ref).abs()
+    assert bool((error <= 2.0 ** -8 * ref.abs() + 1e-5 * scale + 1e-12).all()), f"max error {error.max():.3g}"
+    dense = lin.dense_forward(x.contiguous()).double()
+    assert error.max() <= 1.5 * (dense - ref).abs().max() + 1e-12   # no worse than oneDNN's own rounding
+
+
+@amx_only
+def test_amx_rows_need_whole_32_column_blocks():
+    from engine.models.layers import PackedLinear
+
+    assert PackedLinear(torch.zeros(16, 40, dtype=torch.bfloat16), None).rows is None   # stays on oneDNN
+    assert PackedLinear(torch.zeros(16, 64), None).rows is None                          # float32: oneDNN
+    assert PackedLinear(torch.zeros(16, 64, dtype=torch.bfloat16), torch.zeros(16)).rows is None   # a bias: oneDNN
+    with pytest.raises(ValueError, match="bad shape"):
+        quant_linear.rows_linear(torch.zeros(2, 40, dtype=torch.bfloat16), torch.zeros(16, 40, dtype=torch.bfloat16))
+
+
+@amx_only
+def test_smollm2_bfloat16_decodes_the_same_from_amx_rows():
+    """Greedy answers with the oneDNN-packed weights, then with every linear on the AMX rows."""
+    from engine.llm import LLM
+    from engine.models.layers import PackedLinear
+
+    llm = LLM(SMOLLM2, dtype="bfloat16", device="cpu", max_model_len=512, num_gpu_blocks_override=80,
+              gguf_kernels="off")
+    try:
+        llm.engine.tune_kernels()
+        linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, PackedLinear)]
+        for lin in linears:
+            lin.rows_max_batch = 0
+        _assert_greedy_same(llm, linears, lambda lin: setattr(lin, "rows_max_batch", 64)
+                            if lin.rows is not None else None)
     finally:
         llm.close()
