@@ -28,7 +28,14 @@ from typing import Any
 
 from deploy.prometheus_sd import DEFAULT_SD_FILE
 from engine.cli_args import add_config_args, config_from_args, config_to_args
-from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, CacheConfig, ModelConfig, SchedulerConfig, resolve_dtype
+from engine.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    cpu_has_amx_bf16,
+    resolve_dtype,
+)
 from engine.hf_hub import is_hub_id
 from engine.sim.arch import sim_profile_of
 from protos.auth import load_secret, new_secret
@@ -287,10 +294,14 @@ def check_cpu_memory(arch: Any, args: argparse.Namespace, tp: dict[str, int], nu
     if model_path is not None and model_path.suffix == ".gguf" and args.gguf_kernels == "auto" and tp["decode"] == 1:
         from engine.gguf_file import GGUFFile
         blocks = GGUFFile(model_path).kernel_block_bytes()
-    need = num_workers * (plan.weight_bytes_per_gpu + blocks + kv)
+    # bf16 on AMX: the workers' linears may keep their row-major weights beside oneDNN's packed
+    # ones for decode steps (engine/models/layers.py PackedLinear.rows), up to the weights again.
+    rows = plan.weight_bytes_per_gpu if dtype == "bfloat16" and cpu_has_amx_bf16() else 0
+    need = num_workers * (plan.weight_bytes_per_gpu + blocks + rows + kv)
     available = _mem_available()
     if available is not None and need > available:
         quantized = f" + {blocks / 2**30:.2f} GiB GGUF blocks" if blocks else ""
+        quantized += f" + {rows / 2**30:.2f} GiB AMX row-major weights" if rows else ""
         raise ServeError(f"{num_workers} worker processes need {need / 2**30:.1f} GiB "
                          f"({plan.weight_bytes_per_gpu / 2**30:.2f} GiB weights{quantized} + {kv / 2**30:.2f} GiB "
                          f"KV pool each) but this machine has "

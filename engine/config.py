@@ -40,6 +40,11 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_has_amx_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when this CPU has AMX tiles with bf16 (the AMX linears of engine/csrc/quant_linear.c)."""
+    return {"amx_bf16", "amx_tile", "avx512_bf16"} <= cpu_flags(cpuinfo)
+
+
 def resolve_dtype(dtype: str, on_cuda: bool) -> str:
     """What ``--dtype auto`` means: bfloat16 on CUDA and on CPUs with native bf16, else float32
     (one rule for the engine, ``tandem plan`` and ``tandem serve``'s checks)."""

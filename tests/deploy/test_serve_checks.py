@@ -69,6 +69,20 @@ def test_weights_that_do_not_fit_this_machine_are_refused(monkeypatch):
         serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
 
 
+def test_the_memory_check_counts_the_amx_row_major_weights_of_bf16_workers(monkeypatch):
+    """bf16 on an AMX CPU: each worker may keep its linears' row-major weights beside oneDNN's
+    packed ones (PackedLinear.rows), so the check counts the weights twice there, once elsewhere."""
+    args = parse("--dtype", "bfloat16")
+    arch, _ = serve.check_model(args, {"prefill": 1, "decode": 1})
+    weights, kv = arch.num_params * 2, 1 << 30
+    monkeypatch.setattr(serve, "_mem_available", lambda: 2 * (weights + kv) + weights)   # fits with one copy
+    monkeypatch.setattr(serve, "cpu_has_amx_bf16", lambda: False)
+    serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
+    monkeypatch.setattr(serve, "cpu_has_amx_bf16", lambda: True)
+    with pytest.raises(ValueError, match=r"\(0\.25 GiB weights \+ 0\.25 GiB AMX row-major weights \+ 1\.00 GiB"):
+        serve.check_cpu_memory(arch, args, {"prefill": 1, "decode": 1}, 2)
+
+
 def test_the_memory_check_counts_the_gguf_blocks_workers_keep_beside_the_dense_weights(monkeypatch):
     from engine.gguf_file import QTYPES, GGUFFile
 
