@@ -11,7 +11,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.server import Router
-from tests.router.clusters import MODEL, start_fake_cluster, stop_fake_cluster
+from tests.router.clusters import MODEL, start_fake_cluster, stop_fake_cluster, until
 from tests.router.fake_workers import fake_completion
 
 
@@ -158,7 +158,7 @@ def test_full_waiting_queue_is_429_with_retry_after(loop_thread, tokenizer):
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
         first = threading.Thread(target=_post, args=(cluster.http, "/v1/completions", body))
         first.start()
-        loop_thread.run(_until(lambda: cluster.router.dispatcher.num_waiting == 1))
+        loop_thread.run(until(lambda: cluster.router.dispatcher.num_waiting == 1))
         response = _post(cluster.http, "/v1/completions", body)
         _assert_error(response, 429, "rate_limit_error", "max_waiting=1")
         assert response.headers["retry-after"] == "1"
@@ -178,15 +178,6 @@ def test_no_worker_of_a_role_is_503(loop_thread, tokenizer):
         assert httpx.get(f"http://{router.http_address}/health").status_code == 503
     finally:
         loop_thread.run(router.stop())
-
-
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    import asyncio
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition never held")
 
 
 def test_sse_events_decode_to_the_payload_and_keep_json_spelling_for_non_finite_logprobs():
