@@ -51,7 +51,7 @@
 
 #define ABI_VERSION 3
 /* GGML type ids (gguf.GGMLQuantizationType). */
-enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_Q4_K = 12, QTYPE_Q6_K = 14 };
+enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_Q4_K = 12, QTYPE_Q6_K = 14, QTYPE_BF16 = 30 };
 enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_QTYPE = 3, ERR_UNSUPPORTED = 4 };
 
 #define QK 32    /* weights per block of Q4_0, Q4_1, Q8_0 */
@@ -397,15 +397,29 @@ int tandem_qlinear_bf16_supported(void) {
 #endif
 }
 
-int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
-                        const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
-                        uint16_t *out, int64_t out_stride, int32_t nthreads) {
-    const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
-    if (status != OK) return status;
-#if !HAVE_AMX
-    (void)x; (void)w; (void)out; (void)nthreads;
-    return ERR_UNSUPPORTED;
-#else
+#if HAVE_AMX
+/* The 16 bf16 weight rows of the tile at row n0 (nt of them real) as the AMX loop loads them: a
+ * whole tile of plain bf16 rows (QTYPE_BF16) in place, with its row stride in *stride; anything
+ * else dequantized or copied into `wt` (16 rows of K, zero past nt), stride K. */
+static const uint16_t *weight_tile(const uint8_t *w, int64_t w_row_bytes, int32_t qtype, int64_t n0, int nt,
+                                   int64_t K, float *row, uint16_t *wt, int64_t *stride) {
+    if (qtype == QTYPE_BF16 && nt == 16) {
+        *stride = w_row_bytes / 2;
+        return (const uint16_t *)(w + n0 * w_row_bytes);
+    }
+    for (int j = 0; j < nt; j++) {
+        if (qtype == QTYPE_BF16) memcpy(wt + j * K, w + (n0 + j) * w_row_bytes, (size_t)(K * 2));
+        else dequant_row_bf16(w + (n0 + j) * w_row_bytes, K, qtype, row, wt + j * K);
+    }
+    if (nt < 16) memset(wt + nt * K, 0, (size_t)((16 - nt) * K * 2));
+    *stride = K;
+    return wt;
+}
+
+/* out = bf16(x @ W^T) on AMX for both entry points below, shapes already checked. */
+static int amx_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w,
+                      int64_t w_row_bytes, int64_t N, int32_t qtype, uint16_t *out, int64_t out_stride,
+                      int32_t nthreads) {
     if (!amx_permitted()) return ERR_UNSUPPORTED;
     if (M == 0 || N == 0) return OK;
     const int64_t ntiles = (N + 15) / 16;
@@ -416,6 +430,7 @@ int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
+        /* Contiguous tile ranges: each thread streams its own stretch of the weights. */
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
         float *row = aligned_alloc(64, (size_t)(K * sizeof(float) + 63) / 64 * 64);
@@ -429,11 +444,9 @@ int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
             for (int64_t t = first; t < last; t++) {
                 const int64_t n0 = t * 16;
                 const int nt = (int)(N - n0 < 16 ? N - n0 : 16);
-                for (int j = 0; j < nt; j++) {
-                    dequant_row_bf16(w + (n0 + j) * w_row_bytes, K, qtype, row, wt + j * K);
-                }
-                if (nt < 16) memset(wt + nt * K, 0, (size_t)((16 - nt) * K * 2));
-                amx_tile(wt, K, xt, M, K, nt, out, out_stride, n0, acc);
+                int64_t stride;
+                const uint16_t *tile = weight_tile(w, w_row_bytes, qtype, n0, nt, K, row, wt, &stride);
+                amx_tile(tile, stride, xt, M, K, nt, out, out_stride, n0, acc);
             }
             _tile_release();
         }
@@ -442,6 +455,19 @@ int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
         free(acc);
     }
     return failed ? ERR_NO_MEMORY : OK;
+}
+#endif
+
+int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
+                        const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
+                        uint16_t *out, int64_t out_stride, int32_t nthreads) {
+    const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
+    if (status != OK) return status;
+#if !HAVE_AMX
+    (void)x; (void)w; (void)out; (void)nthreads;
+    return ERR_UNSUPPORTED;
+#else
+    return amx_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads);
 #endif
 }
 
@@ -457,44 +483,6 @@ int tandem_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
     (void)x; (void)w; (void)out; (void)nthreads;
     return ERR_UNSUPPORTED;
 #else
-    if (!amx_permitted()) return ERR_UNSUPPORTED;
-    if (M == 0 || N == 0) return OK;
-    const int64_t ntiles = (N + 15) / 16;
-    const uint16_t *xt = transposed_x(x, x_stride, M, K);
-    if (xt == NULL) return ERR_NO_MEMORY;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > ntiles) nthreads = (int32_t)ntiles;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        /* Contiguous tile ranges: each thread streams its own stretch of the weights. */
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
-        float acc[256] __attribute__((aligned(64)));
-        uint16_t *tail = NULL;
-        if (first < last) {
-            amx_configure();
-            for (int64_t t = first; t < last; t++) {
-                const int64_t n0 = t * 16;
-                const int nt = (int)(N - n0 < 16 ? N - n0 : 16);
-                if (nt == 16) {
-                    amx_tile(w + n0 * w_stride, w_stride, xt, M, K, nt, out, out_stride, n0, acc);
-                    continue;
-                }
-                tail = aligned_alloc(64, (size_t)(16 * K * 2 + 63) / 64 * 64);
-                if (tail == NULL) {
-#pragma omp atomic write
-                    failed = 1;
-                    break;
-                }
-                memset(tail, 0, (size_t)(16 * K * 2));
-                for (int j = 0; j < nt; j++) memcpy(tail + j * K, w + (n0 + j) * w_stride, (size_t)(K * 2));
-                amx_tile(tail, K, xt, M, K, nt, out, out_stride, n0, acc);
-            }
-            _tile_release();
-        }
-        free(tail);
-    }
-    return failed ? ERR_NO_MEMORY : OK;
+    return amx_linear(x, x_stride, M, K, (const uint8_t *)w, w_stride * 2, N, QTYPE_BF16, out, out_stride, nthreads);
 #endif
 }

@@ -99,9 +99,12 @@ class PackedLinear(nn.Module):
         return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # unquantized_forward's choice written out: a decode step calls this ~120 times
         if x.shape[0] <= self.quant_max_batch and self.quant is not None:
             return self.quantized_forward(x)
-        return self.unquantized_forward(x)
+        if x.shape[0] <= self.rows_max_batch and self.rows is not None:
+            return self.rows_forward(x)
+        return self.dense_forward(x)
 
     def unquantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.rows_max_batch and self.rows is not None:

@@ -100,37 +100,29 @@ class _Kernel:
 
     def rows(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x @ weight.T (+ bias)`` for bfloat16 ``x`` and a row-major bfloat16 ``weight`` on AMX."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.bfloat16)
-        status = self._fn_rows(x.data_ptr(), x.stride(0), x.shape[0], weight.shape[1], weight.data_ptr(),
-                               weight.stride(0), weight.shape[0], out.data_ptr(), out.stride(0),
-                               torch.get_num_threads())
-        if status != 0:
-            raise ValueError(f"AMX linear kernel: {STATUS_MESSAGES.get(status, status)}")
-        if bias is not None:
-            out += bias
-        return out
+        return self._run("AMX linear kernel", self._fn_rows, x, weight.shape[0],
+                         (weight.shape[1], weight.data_ptr(), weight.stride(0), weight.shape[0]), bias, torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
+        blocks = (weight.in_features, weight.data.data_ptr(), weight.data.shape[1], weight.rows, weight.qtype)
         if dtype == torch.bfloat16 and self.amx:
-            return self._run(self._fn_bf16, x, weight, bias, torch.bfloat16)
-        out = self._run(self._fn, x.float(), weight, bias, torch.float32)
+            return self._run("quantized linear kernel", self._fn_bf16, x, weight.rows, blocks, bias, torch.bfloat16)
+        out = self._run("quantized linear kernel", self._fn, x.float(), weight.rows, blocks, bias, torch.float32)
         return out if dtype == torch.float32 else out.to(dtype)
 
     @staticmethod
-    def _run(fn, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
+    def _run(name: str, fn, x: torch.Tensor, num_out: int, weight_args: tuple, bias: torch.Tensor | None,
              dtype: torch.dtype) -> torch.Tensor:
-        """``fn``'s product of ``x`` (in ``dtype``) and ``weight``, ``dtype`` out."""
+        """``fn``'s product of ``x`` (in ``dtype``) and the weight its ``weight_args`` describe
+        (the C arguments between x's and out's), ``num_out`` columns of ``dtype`` out."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        out = torch.empty(x.shape[0], weight.rows, dtype=dtype)
-        status = fn(x.data_ptr(), x.stride(0), x.shape[0], weight.in_features, weight.data.data_ptr(),
-                    weight.data.shape[1], weight.rows, weight.qtype, out.data_ptr(), out.stride(0),
+        out = torch.empty(x.shape[0], num_out, dtype=dtype)
+        status = fn(x.data_ptr(), x.stride(0), x.shape[0], *weight_args, out.data_ptr(), out.stride(0),
                     torch.get_num_threads())
         if status != 0:
-            raise ValueError(f"quantized linear kernel: {STATUS_MESSAGES.get(status, status)}")
+            raise ValueError(f"{name}: {STATUS_MESSAGES.get(status, status)}")
         if bias is not None:
             out += bias
         return out
