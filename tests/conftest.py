@@ -6,8 +6,10 @@ so in-process routers and the worker processes tests start (they inherit it) tru
 The model fixtures live here, session-scoped, so every folder shares one build of each: the
 SmolLM2 GGUF package, its tokenizer, ``tiny_model_dir(name)`` (the tiny random-weight
 checkpoints of tests/models.py) and ``hub_cache`` (an HF cache of two of them); beside them
-``make_llm`` (an in-process LLM closed after the test) and ``one_torch_thread``. Import them
-nowhere: pytest finds them by name.
+``make_llm`` (an in-process LLM closed after the test) and ``one_torch_thread``. The worker
+fixtures the role folders share are here too: ``tiny_dir``, ``spawn`` / ``spawn_module`` (real
+worker processes), ``reference`` (the colocated LLM's outputs) and ``pd_twin`` (the in-process
+P/D twin). Import them nowhere: pytest finds them by name.
 
 Under ``TANDEM_CI=1`` (set by .ci/run) a skipped test is a failed one, unless its reason says it
 needs CUDA / a GPU: CI must never be green with, say, every SmolLM2 test skipped because the
@@ -173,3 +175,119 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# The worker fixtures, for tests/workers/ (both roles), tests/prefill_worker/ and
+# tests/decode_worker/. The tiny random-weight Llama serves every worker test but the SmolLM2
+# ones. Workers run as real processes on one torch thread each (the machine has 2 cores shared
+# by two workers and pytest) and are always stopped at teardown; a worker's stderr is printed at
+# teardown, which pytest shows only for a failed test. tests/workers/conftest.py adds the pair
+# of processes its modules share.
+
+@pytest.fixture(scope="session")
+def tiny_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture
+def spawn(tmp_path) -> Iterator[Callable[..., Any]]:
+    """``spawn(role, model_dir, *flags)`` -> a ready Worker (``wait=False``: just started),
+    stopped after the test."""
+    from tests.workers.harness import spawner
+
+    yield from spawner(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def spawn_module(tmp_path_factory) -> Iterator[Callable[..., Any]]:
+    """Like ``spawn``, for workers shared by a whole module."""
+    from tests.workers.harness import spawner
+
+    yield from spawner(tmp_path_factory.mktemp("workers"))
+
+
+@pytest.fixture
+def pd_twin(tiny_model_dir) -> Iterator[Callable[..., tuple[Any, Any]]]:
+    """``pd_twin(**options)`` -> (PrefillLoop, DecodeLoop): the in-process twin of a prefill/decode
+    pair, two engines on the fake kvtransfer backend, no processes and no gRPC; stopped afterwards."""
+    import kvtransfer
+    from decode_worker.worker import DecodeJob, DecodeLoop
+    from engine.config import CacheConfig, ModelConfig, SchedulerConfig
+    from engine.llm_engine import LLMEngine
+    from prefill_worker.worker import Destination, PrefillLoop
+    from worker.config import WorkerConfig
+    from worker.metrics import WorkerMetrics
+
+    made: list = []
+
+    def make(decode_blocks: int = 64, chunked_prefill_size: int = 2048, max_model_len: int = 128,
+             device: str = "cpu", model: str = "llama", kv_lease_s: float = 30.0):
+        model_dir = str(tiny_model_dir(model))
+
+        def engine(keep: bool, blocks: int) -> LLMEngine:
+            e = LLMEngine(ModelConfig(model=model_dir, dtype="float32", device=device, max_model_len=max_model_len),
+                          CacheConfig(block_size=4, num_gpu_blocks_override=blocks),
+                          SchedulerConfig(chunked_prefill_size=chunked_prefill_size), keep_finished_blocks=keep)
+            made.append(e)
+            return e
+        fabric = kvtransfer.FakeFabric()
+        config = WorkerConfig(kv_backend="fake", log_interval_s=60, kv_lease_s=kv_lease_s)
+        p_engine, d_engine = engine(True, 256), engine(False, decode_blocks)
+        pool = d_engine.runner.kv_pool.tensor
+        receiver = kvtransfer.create_receiver(pool, kvtransfer.KVLayout.of_pool(pool), "fake", fabric=fabric)
+        prefill = PrefillLoop(p_engine, config, WorkerMetrics("prefill"), fabric=fabric)
+        prefills = {"in-process": prefill}
+
+        def send_destination(job: DecodeJob, descriptor: bytes) -> None:  # the SetDestination RPC
+            destination = Destination(list(job.transfer_block_ids), descriptor)
+            target = prefills.get(job.prefill_address)
+            if target is not None:  # an unknown address is a prefill worker that died
+                target.call(lambda: target.set_destination(job.request_id, destination))
+
+        decode = DecodeLoop(d_engine, config, WorkerMetrics("decode"), receiver, send_destination)
+        prefill.start()
+        decode.start()
+        made.append((prefill, decode, receiver))
+        return prefill, decode
+
+    yield make
+    for item in made:
+        if isinstance(item, tuple):
+            prefill, decode, receiver = item
+            decode.stop()
+            prefill.stop()
+            prefill.close()
+            receiver.close()
+        else:
+            item.close()
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_dir) -> Iterator[Callable[..., list]]:
+    """``reference(prompts, params, **llm_options)`` -> the colocated LLM's RequestOutputs.
+
+    One in-process LLM per option set, float32 on one torch thread, like the workers.
+    """
+    import torch
+
+    from engine.config import SamplingParams
+    from engine.llm import LLM
+    from tests.workers.harness import BLOCK_SIZE, REFERENCE_BLOCKS
+
+    made: dict[tuple, LLM] = {}
+    before = torch.get_num_threads()
+
+    def run(prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **options) -> list:
+        key = tuple(sorted(options.items()))
+        if key not in made:
+            made[key] = LLM(str(tiny_dir), **{"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE,
+                                              "num_gpu_blocks_override": REFERENCE_BLOCKS, **options})
+        torch.set_num_threads(1)
+        try:
+            return made[key].generate(prompts, params)
+        finally:
+            torch.set_num_threads(before)
+
+    yield run
+    for llm in made.values():
+        llm.close()

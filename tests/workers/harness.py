@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,6 +89,25 @@ class Worker(WorkerProcess):
         code = super().stop(timeout_s)
         self._stderr.close()
         return code
+
+
+def spawner(log_dir: Path) -> Iterator[Callable[..., Worker]]:
+    """Yields ``spawn(role, model_dir, *flags, name=None, wait=True)`` -> a Worker; at the end
+    stops every worker it started and prints each one's stderr (pytest shows it only for a
+    failed test). The generator behind the ``spawn`` fixtures (tests/conftest.py)."""
+    started: list[Worker] = []
+
+    def spawn(role: str, model: Path, *flags: str, name: str | None = None, wait: bool = True) -> Worker:
+        worker = Worker(role, model, list(flags), log_dir, name or f"{role}-{len(started)}", wait=wait)
+        started.append(worker)
+        return worker
+
+    yield spawn
+    for worker in started:
+        worker.stop()
+    for worker in started:
+        print(f"----- {worker.stderr_path.name} (rc={worker.proc.returncode}) -----")
+        print(worker.stderr_path.read_text(errors="replace")[-6000:])
 
 
 # -- requests -------------------------------------------------------------------------------
