@@ -10,18 +10,21 @@ the start, never a later write.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
 from engine.capacity import capacity_lines  # noqa: F401 - logged at startup
+from tandem_shm.geometry import PoolGeometry
 from tandem_shm.pools import SHM_DIR, create_pool_file, sweep_dead_pools
 
 
 @dataclass(frozen=True)
 class KVPoolShape:
     """The engine's view of one rank's pool (torch dtype); kvtransfer.KVLayout is the same
-    geometry as the transfer fabric checks it (dtype by name, plus the TP rank)."""
+    geometry as the transfer fabric checks it (dtype by name, plus the TP rank). Both do their
+    arithmetic in tandem_shm.geometry."""
 
     num_layers: int
     num_kv_heads: int
@@ -29,15 +32,19 @@ class KVPoolShape:
     block_size: int
     dtype: torch.dtype
 
+    @cached_property
+    def geometry(self) -> PoolGeometry:
+        return PoolGeometry(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype.itemsize)
+
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block of K (or V) in one layer."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        return self.geometry.block_nbytes
 
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block id costs across all layers, K and V."""
-        return 2 * self.num_layers * self.block_nbytes
+        return self.geometry.bytes_per_block
 
 
 class KVPool:
@@ -47,15 +54,12 @@ class KVPool:
             raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
-                 layout.head_dim)
-        numel = 1
-        for dim in shape:
-            numel *= dim
+        shape = layout.geometry.pool_shape(num_blocks)
+        numel = layout.geometry.pool_numel(num_blocks)
         self.shm_path: Path | None = None
         if shared_memory and device.type == "cpu":
             sweep_dead_pools()   # a SIGKILLed worker's pool still holds its whole size in RAM
-            nbytes = numel * layout.dtype.itemsize
+            nbytes = layout.geometry.pool_nbytes(num_blocks)
             try:
                 self.shm_path = Path(create_pool_file(nbytes))
                 storage = torch.from_file(str(self.shm_path), shared=True, size=numel, dtype=layout.dtype)

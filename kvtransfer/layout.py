@@ -3,13 +3,18 @@
 The engine's pool is one contiguous tensor of shape
 ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V), so one
 (layer, K|V, block) is a contiguous run of ``block_nbytes`` bytes. Everything in kvtransfer
-addresses the pool by byte offset through :meth:`KVLayout.offset`.
+addresses the pool by byte offset through :meth:`KVLayout.offset`. The arithmetic is
+tandem_shm.geometry's, which the engine's pool uses too; this adds the dtype's wire name, the TP
+rank, validation of what arrives from a socket, and the torch side.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
+
+from tandem_shm.geometry import PoolGeometry
 
 # Wire names of the dtypes a pool may hold; the name travels in descriptors, never the object.
 DTYPES: dict[str, torch.dtype] = {
@@ -64,10 +69,14 @@ class KVLayout:
     def itemsize(self) -> int:
         return self.torch_dtype.itemsize
 
+    @cached_property
+    def geometry(self) -> PoolGeometry:
+        return PoolGeometry(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.itemsize)
+
     @property
     def block_nbytes(self) -> int:
         """Bytes of one (layer, K|V, block) run."""
-        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        return self.geometry.block_nbytes
 
     @classmethod
     def of_pool(cls, pool: torch.Tensor, tp_rank: int = 0) -> KVLayout:
@@ -82,18 +91,17 @@ class KVLayout:
         return cls(names[pool.dtype], block_size, num_layers, num_kv_heads, head_dim, tp_rank)
 
     def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        return self.geometry.pool_shape(num_blocks)
 
     def pool_numel(self, num_blocks: int) -> int:
-        return self.num_layers * 2 * num_blocks * self.block_size * self.num_kv_heads * self.head_dim
+        return self.geometry.pool_numel(num_blocks)
 
     def pool_nbytes(self, num_blocks: int) -> int:
-        return self.pool_numel(num_blocks) * self.itemsize
+        return self.geometry.pool_nbytes(num_blocks)
 
     def offset(self, layer: int, kv: int, block: int, num_blocks: int) -> int:
         """Byte offset of (layer, K|V, block) in a pool of ``num_blocks`` blocks."""
-        # Row-major over [layer, kv, block]: each step of block is one block_nbytes run.
-        return ((layer * 2 + kv) * num_blocks + block) * self.block_nbytes
+        return self.geometry.offset(layer, kv, block, num_blocks)
 
     def check_compatible(self, other: KVLayout) -> None:
         """Raise :class:`LayoutMismatchError` naming every field that differs."""
