@@ -19,7 +19,7 @@ An attempt's life is two fields, each with one writer:
         A local prefill starts at PREFILLED. Leaving PREFILLING releases P: its part is done.
 
     Attempt.outcome (how it ended; set once, Attempt.conclude: the first to see an end decides):
-        None --> FINISHED    D sent the finish_reason (``events``)
+        None --> FINISHED    D sent the finish_reason (``_event``, as ``events`` reads D's stream)
              --> BROKEN      ``Attempt.broken`` says how, made where the break is seen: the decode
                              stream (``events``) or outside it (``_cut``: a worker removed or
                              drained, a Submit failed, a prefill replacement failed), which
@@ -156,6 +156,7 @@ class Dispatch:
     progress: _Progress
     sampling: worker_pb2.SamplingParams
     first: Attempt | None
+    waiting: bool = True    # no token streamed yet: counted in ``Dispatcher.num_waiting``
 
 
 class Dispatcher:
@@ -208,44 +209,19 @@ class Dispatcher:
         first, dispatch.first = dispatch.first, None
         if first is None:
             raise RuntimeError("events() of a request already streamed or abandoned")
-        request_id, progress, sampling = dispatch.request_id, dispatch.progress, dispatch.sampling
-        waiting = True
-        avoid: set[str] = set()
+        progress = dispatch.progress
+        avoid: set[str] = set()      # the workers broken attempts point at
         failures: set[str] = set()   # why earlier attempts failed, with addresses and ids left out
         try:
+            attempt = first
             for attempt_no in range(self.max_attempts):
-                attempt_id = request_id if attempt_no == 0 else f"{request_id}.retry{attempt_no}"
                 if attempt_no:
                     await self._wait_for_workers(("decode",) if self._local(progress) else ROLES)
-                    attempt = self._start(attempt_id, progress, sampling, avoid)
-                else:
-                    attempt = first
+                    attempt = self._start(f"{dispatch.request_id}.retry{attempt_no}", progress, dispatch.sampling,
+                                          avoid)
                 try:
                     while responses := await attempt.call.take():
-                        # One event for every message that came since the last (one per engine
-                        # step while the caller keeps up; more when it is busy).
-                        response = responses[-1]
-                        if len(responses) == 1:
-                            token_ids = list(response.token_ids)
-                            logprobs = list(response.logprobs)
-                        else:
-                            token_ids = [t for r in responses for t in r.token_ids]
-                            logprobs = [lp for r in responses for lp in r.logprobs]
-                        finish_reason = response.finish_reason
-                        if token_ids and waiting:
-                            waiting = False
-                            self.num_waiting -= 1
-                        if token_ids or finish_reason:
-                            self._reach(attempt, Stage.STREAMING)
-                        progress.output_token_ids += token_ids
-                        event = TokenEvent(token_ids, logprobs)
-                        if finish_reason:
-                            attempt.conclude(Outcome.FINISHED)
-                            event.finish_reason = finish_reason
-                            event.num_prompt_tokens = len(progress.prompt_token_ids)
-                            event.num_output_tokens = len(progress.output_token_ids)
-                            event.num_cached_tokens = response.num_cached_tokens
-                        yield event
+                        yield self._event(dispatch, attempt, responses)
                         if attempt.outcome is Outcome.FINISHED:
                             return
                     attempt.conclude(Outcome.BROKEN, Break("decode", "the decode stream ended without a finish_reason"))
@@ -258,21 +234,51 @@ class Dispatcher:
                         raise   # the caller's own cancellation, not a cut
                 finally:
                     self._end(attempt)
-                avoid |= await self._judge(attempt, request_id, failures)
+                avoid |= await self._judge(attempt, dispatch.request_id, failures)
                 if len(progress.output_token_ids) >= progress.max_tokens:
                     # The stream broke after the last token but before its finish message.
                     yield TokenEvent([], [], "length", len(progress.prompt_token_ids),
                                      len(progress.output_token_ids))
                     return
-                failure = attempt.broken.failure if attempt.broken is not None else ""
-                logger.warning("failing over request_id=%s after %d output tokens: %s", request_id,
-                               len(progress.output_token_ids), errors.clip(failure, errors.WORKER_DETAIL_CHARS))
-                if self.on_failover is not None:
-                    self.on_failover(failure)
+                self._failing_over(attempt, dispatch)
             raise errors.unavailable(f"the request failed on {self.max_attempts} worker pairs")
         finally:
-            if waiting:
+            if dispatch.waiting:
                 self.num_waiting -= 1
+
+    def _event(self, dispatch: Dispatch, attempt: Attempt, responses: list[worker_pb2.GenerateResponse]) -> TokenEvent:
+        """One event for every message of D's stream since the last (one per engine step while
+        the caller keeps up; more when it is busy); a finish_reason concludes the attempt."""
+        progress, response = dispatch.progress, responses[-1]
+        if len(responses) == 1:
+            token_ids = list(response.token_ids)
+            logprobs = list(response.logprobs)
+        else:
+            token_ids = [t for r in responses for t in r.token_ids]
+            logprobs = [lp for r in responses for lp in r.logprobs]
+        finish_reason = response.finish_reason
+        if token_ids and dispatch.waiting:
+            dispatch.waiting = False
+            self.num_waiting -= 1
+        if token_ids or finish_reason:
+            self._reach(attempt, Stage.STREAMING)
+        progress.output_token_ids += token_ids
+        event = TokenEvent(token_ids, logprobs)
+        if finish_reason:
+            attempt.conclude(Outcome.FINISHED)
+            event.finish_reason = finish_reason
+            event.num_prompt_tokens = len(progress.prompt_token_ids)
+            event.num_output_tokens = len(progress.output_token_ids)
+            event.num_cached_tokens = response.num_cached_tokens
+        return event
+
+    def _failing_over(self, attempt: Attempt, dispatch: Dispatch) -> None:
+        """Log a broken attempt the request goes on from, and count it (``on_failover``)."""
+        failure = attempt.broken.failure if attempt.broken is not None else ""
+        logger.warning("failing over request_id=%s after %d output tokens: %s", dispatch.request_id,
+                       len(dispatch.progress.output_token_ids), errors.clip(failure, errors.WORKER_DETAIL_CHARS))
+        if self.on_failover is not None:
+            self.on_failover(failure)
 
     async def close(self) -> None:
         """Wait for the background tasks: failed Submits being probed, prefill replacements
