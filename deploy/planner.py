@@ -16,9 +16,19 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
 - **decode**: capacity = streams one decode worker runs with its ITL within the SLO (the profile's
   step-time model solved for the batch, else learned: running streams per worker x SLO / observed
   ITL, from intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed
-  part, so far below the SLO the proportion says nothing). Load = a moving average of the streams
-  decoding. The ITL is the interval's *mean* (the router histogram's sum / count, exact): a
-  percentile read off buckets of 5 and 10 ms cannot say whether 6 ms was kept.
+  part, so far below the SLO the proportion says nothing). Load = *predicted* from what arrives
+  (Little's law, as Dynamo's planner): streams = arrival rate x expected output length x time per
+  output token = (a moving average of the ``max_tokens`` arriving per second) x (the share of
+  ``max_tokens`` that finished requests used, learned) x the ITL SLO. The SLO, not the observed ITL,
+  because the capacity is counted in streams at the SLO's pace too: needed = output tokens/s /
+  (a worker's tokens/s within the SLO). Until a request has finished (no share known) the load is a
+  moving average of the streams counted on the decode workers. The prediction sees a load change
+  when the requests arrive, not a stream life later when the running streams have changed: at a
+  chat -> document change decode gives replicas back while chat streams still run -- as long as the
+  replicas left hold those streams within the SLO (one fewer must carry the streams running now at
+  its full capacity, besides the predicted load at the shrink's utilization). The ITL is the
+  interval's *mean* (the router histogram's sum / count, exact): a percentile read off buckets of 5
+  and 10 ms cannot say whether 6 ms was kept.
 - **correction**: when the observed TTFT (ITL) p90 breaks its SLO although the model says the
   replicas suffice, the model is wrong: one replica more (Dynamo's correction factor, as a step) --
   unless a replica asked for is still starting, or the prefill workers compute more tokens/s than
@@ -126,6 +136,12 @@ class Observation:
     prefill_busy_tokens_per_s: float = 0.0
     prefill_waiting: int = 0                 # requests queued at the prefill workers, at the end
     decode_streams: float = 0.0              # streams running (or reserved) on decode workers, at the end
+    decode_running: float | None = None      # of those, decoding (not reserved); None: decode_streams
+    # The output arriving requests may ask for: their max_tokens per second, at the router's dispatch.
+    max_tokens_per_s: float = 0.0
+    # Requests that finished in the interval: the tokens they generated and the max_tokens they had.
+    finished_output_tokens: float = 0.0
+    finished_max_tokens: float = 0.0
     decode_kv_usage: float = 0.0             # the fullest decode worker's KV usage ratio
     ttft_p90_s: float | None = None          # router, over the interval; None: no request got a first token
     itl_mean_s: float | None = None          # router, mean over the interval's tokens; None: none streamed
@@ -176,7 +192,12 @@ class Planner:
     config: PlannerConfig
     capacity: Capacity = field(default_factory=Capacity)
     prompt_load: float | None = None        # moving average, prompt tokens/s
-    stream_load: float | None = None        # moving average, decode streams
+    stream_load: float | None = None        # moving average, decode streams counted on the workers
+    asked_load: float | None = None         # moving average, max_tokens/s arriving
+    # Moving sums of finished requests' generated tokens and their max_tokens (their ratio: the share
+    # of max_tokens a request uses); 0 until one finished.
+    _finished_output: float = 0.0
+    _finished_max: float = 0.0
     _roles: dict[str, _RoleState] = field(default_factory=lambda: {role: _RoleState() for role in ROLES})
     _last_serving: dict[str, int] | None = None
 
@@ -212,6 +233,10 @@ class Planner:
             a * obs.prompt_tokens_per_s + (1 - a) * self.prompt_load)
         self.stream_load = obs.decode_streams if self.stream_load is None else (
             a * obs.decode_streams + (1 - a) * self.stream_load)
+        self.asked_load = obs.max_tokens_per_s if self.asked_load is None else (
+            a * obs.max_tokens_per_s + (1 - a) * self.asked_load)
+        self._finished_output = a * obs.finished_output_tokens + (1 - a) * self._finished_output
+        self._finished_max = a * obs.finished_max_tokens + (1 - a) * self._finished_max
         prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams
         serving = obs.serving or obs.replicas
         # A replica that came or went during the interval served part of it: per worker means nothing.
@@ -235,13 +260,42 @@ class Planner:
             decode = estimate if decode is None else 0.5 * (decode + estimate)
         self.capacity = Capacity(prefill, decode)
 
+    @property
+    def output_share(self) -> float | None:
+        """The share of ``max_tokens`` finished requests generated (moving); None before one finished."""
+        return min(1.0, self._finished_output / self._finished_max) if self._finished_max > 0 else None
+
+    @property
+    def predicted_streams(self) -> float | None:
+        """Decode streams the arriving requests make at the SLO's pace (Little's law: arrivals x
+        expected output x time per output token); None until a finished request gave the share."""
+        share = self.output_share
+        return None if share is None else (self.asked_load or 0.0) * share * self.config.itl_slo_s
+
+    @property
+    def decode_load(self) -> float | None:
+        """What decode is sized for: the predicted streams, else the counted ones."""
+        predicted = self.predicted_streams
+        return self.stream_load if predicted is None else predicted
+
+    def _decode_fits(self, replicas: int, utilization: float, obs: Observation) -> bool:
+        """Whether ``replicas`` decode workers carry the predicted load at ``utilization`` of their
+        capacity and hold the streams running now within the SLO (at full capacity: the running
+        streams end, or move to those left, while the new load is what arrives)."""
+        capacity = self.capacity.decode_streams
+        if not capacity:
+            return False
+        running = obs.decode_streams if obs.decode_running is None else obs.decode_running
+        fits_load = (self.decode_load or 0.0) <= replicas * capacity * utilization
+        return fits_load and (self.predicted_streams is None or running <= replicas * capacity)
+
     def _needed(self, obs: Observation) -> tuple[dict[str, int], dict[str, Reason]]:
         c = self.config
         need, reasons = dict(obs.replicas), {role: Reason.HOLD for role in ROLES}
         for role, load, capacity, up_reason, slo_reason, observed, slo in (
                 ("prefill", self.prompt_load, self.capacity.prefill_tokens_per_s, Reason.PREFILL_LOAD,
                  Reason.TTFT_SLO, obs.ttft_p90_s, c.ttft_slo_s),
-                ("decode", self.stream_load, self.capacity.decode_streams, Reason.DECODE_LOAD,
+                ("decode", self.decode_load, self.capacity.decode_streams, Reason.DECODE_LOAD,
                  Reason.ITL_SLO, obs.itl_mean_s, c.itl_slo_s)):
             current = obs.replicas[role]
             if capacity:
@@ -273,17 +327,17 @@ class Planner:
         if current <= 1 or (obs.serving is not None and obs.serving[role] < current):
             return False
         if role == "prefill":
-            capacity, load, observed, slo = self.capacity.prefill_tokens_per_s, self.prompt_load, obs.ttft_p90_s, \
-                c.ttft_slo_s
+            capacity, observed, slo = self.capacity.prefill_tokens_per_s, obs.ttft_p90_s, c.ttft_slo_s
             busy = obs.prefill_waiting > current
-        else:
-            capacity, load, observed, slo = self.capacity.decode_streams, self.stream_load, obs.itl_mean_s, c.itl_slo_s
-            busy = self._kv_full(obs, c.kv_full * c.down_utilization / c.target_utilization)
-            # Streams still rising (a load building up, not one that fell) keep every replica.
-            busy = busy or obs.decode_streams > 1.1 * (load or 0.0)
-        if not capacity or busy or _ratio(observed, slo) > c.slo_margin:
+            if not capacity or busy or _ratio(observed, slo) > c.slo_margin:
+                return False
+            return (self.prompt_load or 0.0) <= (current - 1) * capacity * c.down_utilization
+        busy = self._kv_full(obs, c.kv_full * c.down_utilization / c.target_utilization)
+        # Streams still rising (a load building up, not one that fell) keep every replica.
+        busy = busy or obs.decode_streams > 1.1 * (self.stream_load or 0.0)
+        if busy or _ratio(obs.itl_mean_s, c.itl_slo_s) > c.slo_margin:
             return False
-        return (load or 0.0) <= (current - 1) * capacity * c.down_utilization
+        return self._decode_fits(current - 1, c.down_utilization, obs)
 
     def _kv_full(self, obs: Observation, threshold: float | None = None) -> bool:
         """The decode pools nearly full of the streams' own KV. Not while prompts queue at the
@@ -310,16 +364,13 @@ class Planner:
             if now_s - self._roles[giver].changed_at_s < c.cooldown_s:
                 continue
             if giver == "prefill":
-                capacity, load, observed, slo = self.capacity.prefill_tokens_per_s, self.prompt_load, \
-                    obs.ttft_p90_s, c.ttft_slo_s
-                busy = obs.prefill_waiting > current
+                capacity, observed = self.capacity.prefill_tokens_per_s, obs.ttft_p90_s
+                fits = bool(capacity) and obs.prefill_waiting <= current and _ratio(observed, c.ttft_slo_s) <= 1 \
+                    and (self.prompt_load or 0.0) <= (current - 1) * (capacity or 0.0) * c.target_utilization
             else:
-                capacity, load, observed, slo = self.capacity.decode_streams, self.stream_load, obs.itl_mean_s, \
-                    c.itl_slo_s
-                busy = self._kv_full(obs)
-            if not capacity or busy or _ratio(observed, slo) > 1:
-                continue
-            if (load or 0.0) <= (current - 1) * capacity * c.target_utilization:
+                fits = not self._kv_full(obs) and _ratio(obs.itl_mean_s, c.itl_slo_s) <= 1 \
+                    and self._decode_fits(current - 1, c.target_utilization, obs)
+            if fits:
                 targets[giver], reasons[giver] = current - 1, Reason.REBALANCE
                 return
 
@@ -352,5 +403,6 @@ class Planner:
                 f"(SLO {self.config.ttft_slo_s * 1e3:.0f}), ITL mean {num(obs.itl_mean_s, 1e3, '.1f')} ms "
                 f"(SLO {self.config.itl_slo_s * 1e3:.0f}); prompt load {num(self.prompt_load)} tok/s, prefill "
                 f"capacity {num(self.capacity.prefill_tokens_per_s)} tok/s/worker, {obs.prefill_waiting} waiting; "
-                f"decode load {num(self.stream_load, fmt='.1f')} streams, capacity "
+                f"decode load {num(self.decode_load, fmt='.1f')} streams (counted {num(self.stream_load, fmt='.1f')}, "
+                f"predicted {num(self.predicted_streams, fmt='.1f')}), capacity "
                 f"{num(self.capacity.decode_streams, fmt='.1f')} streams/worker, KV {obs.decode_kv_usage:.0%}")

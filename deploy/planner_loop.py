@@ -2,8 +2,10 @@
 
 ``PlannerLoop`` is a thread of the controller (deploy/controller.py) when ``tandem serve
 --planner`` runs. Every ``interval_s`` it scrapes the router's /metrics and every serving worker's,
-turns the change since the last scrape into an ``Observation`` (rates from counters, the TTFT p90
-from the histogram's bucket deltas, the ITL's mean from its sum and count, gauges as they are),
+turns the change since the last scrape into an ``Observation`` (rates from counters: prompt
+tokens and max_tokens arriving, and finished requests' generated tokens beside their max_tokens;
+the TTFT p90 from the histogram's bucket deltas, the ITL's mean from its sum and count, gauges as
+they are),
 asks ``Planner.decide`` (deploy/planner.py) and applies the targets through the controller's
 ``scale`` -- unless ``dry_run``, which only logs. A decision is logged with its reasons and the
 numbers behind them: at INFO when it changes something or its reasons differ from the last
@@ -90,8 +92,11 @@ def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: di
     """The interval between two scrapes as the planner sees it."""
     dt = max(after.at_s - before.at_s, 1e-3)
 
+    def delta(name: str) -> float:
+        return max(0.0, _total(after.router, name) - _total(before.router, name))
+
     def rate(name: str) -> float:
-        return max(0.0, _total(after.router, name) - _total(before.router, name)) / dt
+        return delta(name) / dt
 
     def worker_sum(role: str, name: str) -> float:
         return sum(_total(s, name) for s in after.workers.get(role, {}).values())
@@ -114,6 +119,10 @@ def observe(before: Scrape, after: Scrape, replicas: dict[str, int], serving: di
         prefill_waiting=int(worker_sum("prefill", "tandem_num_requests_waiting")),
         decode_streams=worker_sum("decode", "tandem_num_requests_running")
         + worker_sum("decode", "tandem_num_requests_preallocated"),
+        decode_running=worker_sum("decode", "tandem_num_requests_running"),
+        max_tokens_per_s=rate("tandem_max_tokens_arrived_total"),
+        finished_output_tokens=delta("tandem_generation_tokens_total"),
+        finished_max_tokens=delta("tandem_max_tokens_finished_total"),
         decode_kv_usage=max((_total(s, "tandem_kv_cache_usage_ratio") for s in decode), default=0.0),
         ttft_p90_s=window_quantile(_buckets(before.router, "tandem_time_to_first_token_seconds"),
                                    _buckets(after.router, "tandem_time_to_first_token_seconds"), 0.9),
@@ -150,8 +159,11 @@ class PlannerMetrics:
                           "or starting) and still draining", ["role"], registry=r)
         self.prompt_load = Gauge("tandem_planner_prompt_load_tokens_per_second",
                                  "predicted prompt tokens/s (moving average)", registry=r)
-        self.stream_load = Gauge("tandem_planner_decode_load_streams", "predicted decode streams (moving average)",
-                                 registry=r)
+        self.stream_load = Gauge("tandem_planner_decode_load_streams", "decode streams the planner sizes for: "
+                                 "predicted from arrivals, else counted (moving average)", registry=r)
+        self.predicted_streams = Gauge("tandem_planner_predicted_decode_streams",
+                                       "decode streams predicted from arrivals: max_tokens/s x the share finished "
+                                       "requests used x the ITL SLO (NaN until a request finished)", registry=r)
 
     def record(self, decision: Decision, obs: Observation, planner: Planner) -> None:
         for role in ROLES:
@@ -163,7 +175,9 @@ class PlannerMetrics:
         for role, count in (obs.held or obs.replicas).items():
             self.held.labels(role).set(count)
         self.prompt_load.set(planner.prompt_load or 0.0)
-        self.stream_load.set(planner.stream_load or 0.0)
+        self.stream_load.set(planner.decode_load or 0.0)
+        predicted = planner.predicted_streams
+        self.predicted_streams.set(float("nan") if predicted is None else predicted)
 
 
 @dataclass

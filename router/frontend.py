@@ -223,6 +223,7 @@ class Frontend:
             self.metrics.errors.labels(str(exc.http_status)).inc()
             raise
         self.metrics.prompt_tokens_arrived.inc(len(request.prompt_token_ids))
+        self.metrics.max_tokens_arrived.inc(request.params.max_tokens)
         return dispatch
 
     def abandon(self, dispatch: Dispatch) -> None:
@@ -257,7 +258,7 @@ class Frontend:
                 if not text.stopped:
                     delta += text.finish()
                 usage = Usage(len(request.prompt_token_ids), num_output_tokens, last.num_cached_tokens)
-                self._count_finish(finish, usage, now_s - start_s)
+                self._count_finish(finish, usage, now_s - start_s, request.params.max_tokens)
                 if num_output_tokens > 1:
                     self.metrics.tpot.observe((now_s - first_s) / (num_output_tokens - 1))
                 yield TextChunk(delta, token_ids, logprobs, finish, usage)
@@ -270,8 +271,9 @@ class Frontend:
             await events.aclose()   # an unfinished request is aborted at its workers
             self.dispatcher.abandon(dispatch)   # ... and so is one whose events never began
 
-    def _count_finish(self, finish: str, usage: Usage, latency_s: float) -> None:
+    def _count_finish(self, finish: str, usage: Usage, latency_s: float, max_tokens: int) -> None:
         self.metrics.requests.labels(finish).inc()
         self.metrics.prompt_tokens.inc(usage.prompt_tokens)
         self.metrics.generation_tokens.inc(usage.completion_tokens)
+        self.metrics.max_tokens_finished.inc(max_tokens)
         self.metrics.e2e.observe(latency_s)

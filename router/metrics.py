@@ -37,6 +37,13 @@ class RouterMetrics:
         self.prompt_tokens_arrived = Counter("tandem_prompt_tokens_arrived", "Prompt tokens of dispatched requests",
                                              registry=r)
         self.generation_tokens = Counter("tandem_generation_tokens", "Generated tokens streamed", registry=r)
+        # The output a request may ask for, at dispatch, and the same for finished requests beside
+        # tandem_generation_tokens: a planner predicts decode load from what arrives (arrivals x
+        # max_tokens x the share of max_tokens finished requests used), not from streams already running.
+        self.max_tokens_arrived = Counter("tandem_max_tokens_arrived", "max_tokens of dispatched requests",
+                                          registry=r)
+        self.max_tokens_finished = Counter("tandem_max_tokens_finished", "max_tokens of finished requests",
+                                           registry=r)
         self.ttft = Histogram("tandem_time_to_first_token_seconds", "Time to first token", registry=r,
                               buckets=LATENCY_BUCKETS_S)
         self.itl = Histogram("tandem_inter_token_latency_seconds", "Time between streamed chunks", registry=r,

@@ -272,3 +272,63 @@ def test_capacity_from_a_sim_profile(tmp_path):
 def test_config_refuses(kw, match):
     with pytest.raises(ValueError, match=match):
         PlannerConfig(**kw)
+
+
+# -- decode load predicted from arrivals (arrivals x expected output x the ITL SLO) -------------------
+
+def test_predicts_decode_load_from_arrivals_before_the_streams_build_up():
+    # 400 max_tokens/s arriving, finished requests used half their max_tokens: 200 output tokens/s, at
+    # the 50 ms SLO's pace 10 streams; a worker holds 10 at 80%: 2 workers. The streams counted on
+    # the worker (1: a load's first seconds) would say 1.
+    planner = Planner(CONFIG, KNOWN)
+    o = obs(1, 1, max_tokens_per_s=400, finished_output_tokens=50, finished_max_tokens=100, decode_streams=1,
+            itl_mean_s=0.01)
+    ds = run(planner, [o, o])
+    assert planner.output_share == 0.5 and planner.predicted_streams == pytest.approx(10.0)
+    assert planner.decode_load == pytest.approx(10.0) and planner.stream_load == 1.0
+    assert ds[1].targets["decode"] == 2 and ds[1].reasons["decode"] == Reason.DECODE_LOAD
+    # No request finished yet: no share, the counted streams are the load.
+    planner = Planner(CONFIG, KNOWN)
+    ds = run(planner, [obs(1, 1, max_tokens_per_s=400, decode_streams=1, itl_mean_s=0.01)] * 2)
+    assert planner.predicted_streams is None and planner.decode_load == 1.0
+    assert ds[1].targets["decode"] == 1
+
+
+def test_decode_gives_back_at_a_phase_change_while_the_old_streams_still_run():
+    # Chat -> documents: 18 chat streams still run on 3 workers (10 each at most), but what arrives
+    # now is 100 output tokens/s (5 streams at the SLO's pace). Two workers hold the 18 within the
+    # SLO and the new load at 60%: one goes after down_after = 4 intervals (counted, 18 > 2 x 10 x
+    # 0.6 = 12, it never would). One worker would not hold them: it stays at 2 until they end.
+    planner = Planner(CONFIG, KNOWN)
+    docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64, itl_mean_s=0.02)
+    ds = run(planner, [obs(1, 3, decode_streams=18, **docs)] * 8 + [obs(1, 3, decode_streams=9, **docs)] * 8)
+    assert [d.targets["decode"] for d in ds] == [3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2, 1, 1, 1, 1, 1]
+    assert ds[3].reasons["decode"] == Reason.LOAD_FELL and ds[11].reasons["decode"] == Reason.LOAD_FELL
+    counted = run(Planner(CONFIG, KNOWN), [obs(1, 3, decode_streams=18, itl_mean_s=0.02)] * 8)
+    assert all(d.targets["decode"] == 3 for d in counted)
+
+
+def test_trades_a_decode_replica_to_prefill_on_the_predicted_load():
+    # At the budget (4), prompts need 3 prefill workers; decode (3) runs 18 streams, 5 predicted.
+    # Two decode workers hold the 18 and carry the 5 at 80%: decode gives one at once. On counted
+    # streams (18 > 2 x 10 x 0.8) it would not; nor with 25 running (over 2 workers' 20).
+    hot = dict(prompt_tokens_per_s=2500, prefill_tokens_per_s=1000, prefill_busy_tokens_per_s=1000,
+               prefill_waiting=10, ttft_p90_s=2.0, itl_mean_s=0.03)
+    docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64)
+    planner = Planner(BUDGET, KNOWN)
+    ds = [planner.decide(obs(1, 3, decode_streams=18, **hot, **docs), float(i)) for i in range(2)]
+    assert ds[1].targets == {"prefill": 1, "decode": 2}
+    assert ds[1].reasons == {"prefill": Reason.AT_MAX, "decode": Reason.REBALANCE}
+    for load in ({"decode_streams": 18}, {"decode_streams": 25, **docs}):
+        planner = Planner(BUDGET, KNOWN)
+        ds = [planner.decide(obs(1, 3, **hot, **load), float(i)) for i in range(4)]
+        assert all(d.targets == {"prefill": 1, "decode": 3} for d in ds)
+
+
+def test_decode_growth_and_running_guard_read_streams_without_reservations():
+    # 30 streams on the decode workers, 20 of them reservations for prompts queued at prefill: two
+    # workers hold the 10 decoding, so the predicted 5 lets one of three go.
+    planner = Planner(CONFIG, KNOWN)
+    docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64, itl_mean_s=0.02)
+    ds = run(planner, [obs(1, 3, decode_streams=30, decode_running=10, **docs)] * 4)
+    assert ds[3].targets["decode"] == 2 and ds[3].reasons["decode"] == Reason.LOAD_FELL

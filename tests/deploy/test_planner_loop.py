@@ -37,6 +37,9 @@ def test_observe_reads_the_real_series():
     router.ttft.observe(5.0)                         # before the window: not in it
     before = _scrape(10.0, router, prefill, decode)
     router.prompt_tokens_arrived.inc(4000)
+    router.max_tokens_arrived.inc(1000)
+    router.generation_tokens.inc(300)                # finished requests: 300 tokens of their 400 max_tokens
+    router.max_tokens_finished.inc(400)
     for _ in range(9):
         router.ttft.observe(0.2)                     # (0.1, 0.25]
     router.ttft.observe(0.7)
@@ -53,6 +56,8 @@ def test_observe_reads_the_real_series():
     assert o.prompt_tokens_per_s == 2000.0 and o.prefill_tokens_per_s == 1000.0
     assert o.prefill_busy_tokens_per_s == 250.0       # the one with a queue
     assert o.prefill_waiting == 2 and o.decode_streams == 8 and o.decode_kv_usage == 0.4
+    assert o.decode_running == 7 and o.max_tokens_per_s == 500.0
+    assert (o.finished_output_tokens, o.finished_max_tokens) == (300.0, 400.0)
     assert o.ttft_p90_s == pytest.approx(0.25)       # the 9th of 10 is the last in (0.1, 0.25]
     assert o.itl_mean_s == pytest.approx(0.013)      # exact: the histogram's sum and count
     assert o.replicas == {"prefill": 2, "decode": 1} and o.held == {"prefill": 2, "decode": 2}

@@ -11,6 +11,7 @@ import pytest
 
 from router.config import RouterConfig
 from router.server import Router
+from tests.metrics import metric
 from tests.router.clusters import MODEL, start_fake_cluster, stop_fake_cluster, until
 from tests.router.fake_workers import fake_completion
 
@@ -85,6 +86,21 @@ def test_models_cluster_health_metrics(client, fake_cluster):
     assert httpx.get(fake_cluster.http + "/health").json() == {"status": "ok"}
     metrics = httpx.get(fake_cluster.http + "/metrics").text
     assert "tandem_time_to_first_token_seconds_count" in metrics and "tandem_num_requests_waiting" in metrics
+
+
+def test_metrics_count_max_tokens_at_dispatch_and_finish(client, fake_cluster):
+    # The planner predicts decode load from these: max_tokens arriving, and finished requests'
+    # generated tokens beside their max_tokens (the share used).
+    def counts() -> tuple[float, ...]:
+        page = httpx.get(fake_cluster.http + "/metrics").text
+        return tuple(metric(page, f"tandem_{name}_total")
+                     for name in ("max_tokens_arrived", "max_tokens_finished", "generation_tokens"))
+
+    before = counts()
+    out = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=6, temperature=0)
+    assert out.usage.completion_tokens == 6
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=5, n=2)
+    assert [a - b for a, b in zip(counts(), before)] == [16.0, 16.0, 16.0]
 
 
 def _post(base: str, path: str, body, headers=None) -> httpx.Response:
