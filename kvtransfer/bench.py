@@ -36,7 +36,7 @@ def _blocks(num_tokens: int) -> int:
 
 
 def _request_nbytes(num_tokens: int) -> int:
-    return LAYOUT.num_layers * 2 * _blocks(num_tokens) * LAYOUT.block_nbytes
+    return LAYOUT.pool_nbytes(_blocks(num_tokens))   # every layer's K and V of its blocks
 
 
 def _iters(num_tokens: int, base: int) -> int:

@@ -258,7 +258,7 @@ class PrefillLoop(EngineLoop):
             else:
                 assert job.destination is not None and job.destination_s is not None   # it was shipped
                 self.metrics.kv_transfer_seconds.observe(time.monotonic() - job.destination_s)
-                self.metrics.kv_transfer_bytes.inc(2 * self.layout.num_layers * self.layout.block_nbytes * self.tp_size
+                self.metrics.kv_transfer_bytes.inc(self.layout.geometry.bytes_per_block * self.tp_size
                                                    * len(self._block_pairs(job, job.destination.block_ids)[0]))
             self.engine.release(request_id)
             finished.append(Forget(request_id))
