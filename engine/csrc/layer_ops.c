@@ -4,21 +4,41 @@
  * Loaded with ctypes into a worker process and called from its engine thread (ctypes drops the
  * GIL). Each op replaces 4-10 small torch ops whose dispatch cost dominates at decode batch
  * sizes: a 576-wide RMSNorm costs ~15 us through torch and ~1 us here. Math is float32;
- * activations are bfloat16 or float32 (dtype 1 / 0). Single-threaded on purpose: these ops
- * take microseconds even at batch 64, and an OpenMP region per op (a team of 1 at small batches
- * between torch's teams of N) made 2-thread decode steps stall for hundreds of ms.
+ * activations are bfloat16 or float32 (dtype 1 / 0). Each op takes num_threads: 1 runs it on the
+ * caller's thread without entering OpenMP at all (decode steps: the ops take microseconds there,
+ * and an OpenMP region per op, a team of 1 between torch's teams of N, once made 2-thread decode
+ * steps stall for hundreds of ms); more splits the token rows over a team of that size, which
+ * the caller makes torch's own thread count (prefill chunks: ~17% of a 1024-token step on one
+ * thread, engine/models/cpu_ops.PARALLEL_MIN_TOKENS).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "avx512.h"
 #include "bf16.h"
 
-#define ABI_VERSION 3
+#define ABI_VERSION 4
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 int tandem_layer_ops_abi_version(void) { return ABI_VERSION; }
+
+/* fn(args, begin, end) over the rows [0, num_tokens): here when num_threads <= 1, else split in
+ * contiguous ranges over an OpenMP team of num_threads. */
+typedef void (*rows_fn)(const void *args, int64_t begin, int64_t end);
+
+static void for_rows(rows_fn fn, const void *args, int64_t num_tokens, int num_threads) {
+    if (num_threads <= 1 || num_tokens < 2) {
+        fn(args, 0, num_tokens);
+        return;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
+        fn(args, num_tokens * i / n, num_tokens * (i + 1) / n);
+    }
+}
 
 
 /* The dtype-specialized loops below are plain enough for gcc to vectorize at -O3. */
@@ -63,23 +83,42 @@ static inline float sum_squares(const float *restrict r, int64_t n) {
  * out[t] = residual[t] * rsqrt(mean(residual[t]^2) + eps) * weight   (dtype, [T, H] contiguous)
  * x rows are x_stride elements apart (x may be a column slice). hidden <= 16384.
  */
-void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int residual_in,
-                         const float *weight, void *out, int64_t num_tokens, int64_t hidden, float eps,
-                         int dtype) {
-    const size_t es = elem_size(dtype);
-    for (int64_t t = 0; t < num_tokens; t++) {
+struct norm_args {
+    const void *x;
+    int64_t x_stride;
+    float *residual;
+    int residual_in;
+    const float *weight;
+    void *out;
+    int64_t hidden;
+    float eps;
+    int dtype;
+};
+
+static void add_rms_norm_rows(const void *args, int64_t begin, int64_t end) {
+    const struct norm_args *a = args;
+    const int64_t hidden = a->hidden;
+    const size_t es = elem_size(a->dtype);
+    for (int64_t t = begin; t < end; t++) {
         float xf[16384];
-        float *restrict r = residual + t * hidden;
-        row_to_f32((const char *)x + (size_t)(t * x_stride) * es, xf, hidden, dtype);
-        if (residual_in)
+        float *restrict r = a->residual + t * hidden;
+        row_to_f32((const char *)a->x + (size_t)(t * a->x_stride) * es, xf, hidden, a->dtype);
+        if (a->residual_in)
             for (int64_t i = 0; i < hidden; i++) r[i] += xf[i];
         else
             for (int64_t i = 0; i < hidden; i++) r[i] = xf[i];
         const float sum = sum_squares(r, hidden);
-        const float scale = 1.0f / sqrtf(sum / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i++) xf[i] = r[i] * scale * weight[i];
-        row_from_f32(xf, (char *)out + (size_t)(t * hidden) * es, hidden, dtype);
+        const float scale = 1.0f / sqrtf(sum / (float)hidden + a->eps);
+        for (int64_t i = 0; i < hidden; i++) xf[i] = r[i] * scale * a->weight[i];
+        row_from_f32(xf, (char *)a->out + (size_t)(t * hidden) * es, hidden, a->dtype);
     }
+}
+
+void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int residual_in,
+                         const float *weight, void *out, int64_t num_tokens, int64_t hidden, float eps,
+                         int dtype, int num_threads) {
+    const struct norm_args args = {x, x_stride, residual, residual_in, weight, out, hidden, eps, dtype};
+    for_rows(add_rms_norm_rows, &args, num_tokens, num_threads);
 }
 
 /*
@@ -89,53 +128,74 @@ void tandem_add_rms_norm(const void *x, int64_t x_stride, float *residual, int r
  * float32 stored full width and sin's first half negated (engine/models/layers.RotaryEmbedding).
  * head_dim <= 1024.
  */
-void tandem_rotary(void *x, int64_t row_stride, int64_t num_tokens, int64_t num_heads, int64_t head_dim,
-                   const int64_t *positions, const float *cos_table, const float *sin_table, int dtype) {
+static void rotary_row(void *x, int64_t row_stride, int64_t t, int64_t num_heads, int64_t head_dim,
+                       const int64_t *positions, const float *cos_table, const float *sin_table, int dtype) {
     const int64_t half = head_dim / 2;
     const size_t es = elem_size(dtype);
-    for (int64_t t = 0; t < num_tokens; t++) {
-        const float *restrict c = cos_table + positions[t] * head_dim;
-        const float *restrict s = sin_table + positions[t] * head_dim;
-        for (int64_t h = 0; h < num_heads; h++) {
-            float v[1024], o[1024];
-            char *head = (char *)x + (size_t)(t * row_stride + h * head_dim) * es;
-            row_to_f32(head, v, head_dim, dtype);
-            for (int64_t i = 0; i < half; i++) {
-                o[i] = v[i] * c[i] + v[half + i] * s[i];
-                o[half + i] = v[half + i] * c[half + i] + v[i] * s[half + i];
-            }
-            row_from_f32(o, head, head_dim, dtype);
+    const float *restrict c = cos_table + positions[t] * head_dim;
+    const float *restrict s = sin_table + positions[t] * head_dim;
+    for (int64_t h = 0; h < num_heads; h++) {
+        float v[1024], o[1024];
+        char *head = (char *)x + (size_t)(t * row_stride + h * head_dim) * es;
+        row_to_f32(head, v, head_dim, dtype);
+        for (int64_t i = 0; i < half; i++) {
+            o[i] = v[i] * c[i] + v[half + i] * s[i];
+            o[half + i] = v[half + i] * c[half + i] + v[i] * s[half + i];
         }
+        row_from_f32(o, head, head_dim, dtype);
     }
 }
 
 /*
- * Rotary as tandem_rotary on the first num_heads + num_kv_heads heads of each row of qkv (the q
+ * Rotary (rotary_row) on the first num_heads + num_kv_heads heads of each row of qkv (the q
  * heads, then the k heads), then each token's k and v heads (the num_kv_heads heads after the q
  * heads, and the num_kv_heads after those) copied to its slot of the caches: k_cache + slots[t]
  * * k_slot_stride, a slot's heads side by side (num_kv_heads * head_dim elements, the qkv dtype).
  * One call for what rotary and an index_copy_ into each cache did. Returns how many slots were
  * outside [0, num_slots) (their tokens are not stored).
  */
+struct rotary_store_args {
+    void *qkv;
+    int64_t row_stride, num_heads, num_kv_heads, head_dim;
+    const int64_t *positions;
+    const float *cos_table, *sin_table;
+    const int64_t *slots;
+    int64_t num_slots;
+    void *k_cache;
+    int64_t k_slot_stride;
+    void *v_cache;
+    int64_t v_slot_stride;
+    int dtype;
+};
+
+static void rotary_store_kv_rows(const void *args, int64_t begin, int64_t end) {
+    const struct rotary_store_args *a = args;
+    const size_t es = elem_size(a->dtype), kv_bytes = (size_t)(a->num_kv_heads * a->head_dim) * es;
+    for (int64_t t = begin; t < end; t++) {
+        rotary_row(a->qkv, a->row_stride, t, a->num_heads + a->num_kv_heads, a->head_dim, a->positions,
+                   a->cos_table, a->sin_table, a->dtype);
+        const int64_t slot = a->slots[t];
+        if (slot < 0 || slot >= a->num_slots)
+            continue;
+        const char *row = (const char *)a->qkv + (size_t)(t * a->row_stride) * es;
+        const char *k = row + (size_t)(a->num_heads * a->head_dim) * es;
+        memcpy((char *)a->k_cache + (size_t)(slot * a->k_slot_stride) * es, k, kv_bytes);
+        memcpy((char *)a->v_cache + (size_t)(slot * a->v_slot_stride) * es, k + kv_bytes, kv_bytes);
+    }
+}
+
 int tandem_rotary_store_kv(void *qkv, int64_t row_stride, int64_t num_tokens, int64_t num_heads,
                            int64_t num_kv_heads, int64_t head_dim, const int64_t *positions,
                            const float *cos_table, const float *sin_table, const int64_t *slots,
                            int64_t num_slots, void *k_cache, int64_t k_slot_stride, void *v_cache,
-                           int64_t v_slot_stride, int dtype) {
-    tandem_rotary(qkv, row_stride, num_tokens, num_heads + num_kv_heads, head_dim, positions, cos_table,
-                  sin_table, dtype);
-    const size_t es = elem_size(dtype), kv_bytes = (size_t)(num_kv_heads * head_dim) * es;
+                           int64_t v_slot_stride, int dtype, int num_threads) {
+    const struct rotary_store_args args = {qkv, row_stride, num_heads, num_kv_heads, head_dim, positions,
+                                           cos_table, sin_table, slots, num_slots, k_cache, k_slot_stride,
+                                           v_cache, v_slot_stride, dtype};
+    for_rows(rotary_store_kv_rows, &args, num_tokens, num_threads);
     int bad = 0;
-    for (int64_t t = 0; t < num_tokens; t++) {
-        if (slots[t] < 0 || slots[t] >= num_slots) {
-            bad++;
-            continue;
-        }
-        const char *row = (const char *)qkv + (size_t)(t * row_stride) * es;
-        const char *k = row + (size_t)(num_heads * head_dim) * es;
-        memcpy((char *)k_cache + (size_t)(slots[t] * k_slot_stride) * es, k, kv_bytes);
-        memcpy((char *)v_cache + (size_t)(slots[t] * v_slot_stride) * es, k + kv_bytes, kv_bytes);
-    }
+    for (int64_t t = 0; t < num_tokens; t++)
+        bad += slots[t] < 0 || slots[t] >= num_slots;
     return bad;
 }
 
@@ -176,10 +236,21 @@ static inline __m512 round_bf16_512(__m512 v) {
  * row_stride apart); out is [T, inter] contiguous. bfloat16 rounds twice, as torch's
  * F.silu(gate).mul_(up) on bfloat16 tensors does: silu to bfloat16, then the product.
  */
-void tandem_silu_mul(const void *gate_up, int64_t row_stride, int64_t num_tokens, int64_t inter, void *out,
-                     int dtype) {
+struct silu_args {
+    const void *gate_up;
+    int64_t row_stride, inter;
+    void *out;
+    int dtype;
+};
+
+static void silu_mul_rows(const void *args, int64_t begin, int64_t end) {
+    const struct silu_args *a = args;
+    const void *gate_up = a->gate_up;
+    const int64_t row_stride = a->row_stride, inter = a->inter;
+    void *out = a->out;
+    const int dtype = a->dtype;
     const size_t es = elem_size(dtype);
-    for (int64_t t = 0; t < num_tokens; t++) {
+    for (int64_t t = begin; t < end; t++) {
         const char *row = (const char *)gate_up + (size_t)(t * row_stride) * es;
         char *o = (char *)out + (size_t)(t * inter) * es;
         int64_t i = 0;
@@ -210,4 +281,10 @@ void tandem_silu_mul(const void *gate_up, int64_t row_stride, int64_t num_tokens
             }
         }
     }
+}
+
+void tandem_silu_mul(const void *gate_up, int64_t row_stride, int64_t num_tokens, int64_t inter, void *out,
+                     int dtype, int num_threads) {
+    const struct silu_args args = {gate_up, row_stride, inter, out, dtype};
+    for_rows(silu_mul_rows, &args, num_tokens, num_threads);
 }

@@ -101,3 +101,38 @@ def test_silu_mul_matches_torch(ops, dtype, num_tokens, inter):
         assert torch.allclose(got, want, rtol=1e-6, atol=1e-30)
     ref = (gate.double() * torch.sigmoid(gate.double()) * up.double())
     assert torch.allclose(got.double(), ref, rtol=2 ** -6 if dtype == torch.bfloat16 else 1e-5, atol=1e-30)
+
+
+def test_prefill_sized_calls_split_over_threads_with_the_one_thread_results(ops, monkeypatch):
+    """From PARALLEL_MIN_TOKENS rows the ops run on torch's threads; every row comes out as one
+    thread computes it (rows are split, never a row's sum)."""
+    num_tokens, heads, kv_heads, head_dim = cpu_ops.PARALLEL_MIN_TOKENS + 37, 9, 3, 64
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(num_tokens, 576, generator=gen).to(torch.bfloat16)
+    residual = torch.randn(num_tokens, 576, generator=gen)
+    weight = torch.randn(576, generator=gen)
+    gate_up = torch.randn(num_tokens, 2 * 1536, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(torch.bfloat16)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None, torch.device("cpu"))
+    positions = torch.arange(num_tokens, dtype=torch.int64)
+    slots = torch.randperm(num_tokens, generator=gen)
+    threads_for = cpu_ops._threads
+
+    def run(threads: int):
+        calls = []
+        monkeypatch.setattr(cpu_ops, "_threads", lambda n: calls.append(n) or threads)
+        caches = [torch.zeros(num_tokens // 16 + 1, 16, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2)]
+        rotated = qkv.clone()
+        ops.rotary_store_kv(rotated, heads, kv_heads, head_dim, positions, rotary.cos, rotary.sin, slots, *caches)
+        return (*ops.add_rms_norm(x, residual.clone(), weight, 1e-5), ops.silu_mul(gate_up), rotated, *caches)
+
+    one, two = run(1), run(2)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    with_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert threads_for(cpu_ops.PARALLEL_MIN_TOKENS - 1) == 1
+        assert threads_for(cpu_ops.PARALLEL_MIN_TOKENS) == 2
+    finally:
+        torch.set_num_threads(with_threads)
