@@ -18,8 +18,8 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   ITL, from intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed
   part, so far below the SLO the proportion says nothing). Load = *predicted* from what arrives
   (Little's law, as Dynamo's planner): streams = arrival rate x expected output length x time per
-  output token = (a moving average of the ``max_tokens`` arriving per second) x (the share of
-  ``max_tokens`` that finished requests used, learned) x the ITL SLO. The SLO, not the observed ITL,
+  output token = (the ``max_tokens`` arriving per second, averaged over ``arrival_window_s``) x (the
+  share of ``max_tokens`` that finished requests used, learned) x the ITL SLO. The SLO, not the observed ITL,
   because the capacity is counted in streams at the SLO's pace too: needed = output tokens/s /
   (a worker's tokens/s within the SLO). Until a request has finished (no share known) the load is a
   moving average of the streams counted on the decode workers. The prediction sees a load change
@@ -101,6 +101,10 @@ class PlannerConfig:
     down_after: int = 6                 # intervals in a row that allow fewer before one is given back
     cooldown_s: float = 15.0
     load_smoothing: float = 0.5         # weight of the newest interval in the load moving averages
+    # The max_tokens arriving (decode's predicted load) are averaged over about this long: a chat
+    # load of ~2 requests/s of 768 tokens brings 0-8 requests in a 2 s interval, so one interval's
+    # count swings the prediction by half (measured: 13 -> 41 -> 20 -> 45 streams, one interval each).
+    arrival_window_s: float = 10.0
     kv_full: float = 0.9                # decode KV usage that asks for another decode replica
     dry_run: bool = False
 
@@ -119,6 +123,8 @@ class PlannerConfig:
             raise ValueError(f"up_after and down_after must be >= 1, got {self.up_after} and {self.down_after}")
         if not 0 < self.load_smoothing <= 1:
             raise ValueError(f"load_smoothing must be in (0, 1], got {self.load_smoothing}")
+        if not self.arrival_window_s >= 0:
+            raise ValueError(f"arrival_window_s must be >= 0, got {self.arrival_window_s}")
 
 
 @dataclass(frozen=True)
@@ -233,10 +239,13 @@ class Planner:
             a * obs.prompt_tokens_per_s + (1 - a) * self.prompt_load)
         self.stream_load = obs.decode_streams if self.stream_load is None else (
             a * obs.decode_streams + (1 - a) * self.stream_load)
+        # An exponential average with a time constant of arrival_window_s, at interval_s a step.
+        w = 1.0 - math.exp(-self.config.interval_s / self.config.arrival_window_s) if self.config.arrival_window_s \
+            else 1.0
         self.asked_load = obs.max_tokens_per_s if self.asked_load is None else (
-            a * obs.max_tokens_per_s + (1 - a) * self.asked_load)
-        self._finished_output = a * obs.finished_output_tokens + (1 - a) * self._finished_output
-        self._finished_max = a * obs.finished_max_tokens + (1 - a) * self._finished_max
+            w * obs.max_tokens_per_s + (1 - w) * self.asked_load)
+        self._finished_output = w * obs.finished_output_tokens + (1 - w) * self._finished_output
+        self._finished_max = w * obs.finished_max_tokens + (1 - w) * self._finished_max
         prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams
         serving = obs.serving or obs.replicas
         # A replica that came or went during the interval served part of it: per worker means nothing.

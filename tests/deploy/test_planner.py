@@ -332,3 +332,15 @@ def test_decode_growth_and_running_guard_read_streams_without_reservations():
     docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64, itl_mean_s=0.02)
     ds = run(planner, [obs(1, 3, decode_streams=30, decode_running=10, **docs)] * 4)
     assert ds[3].targets["decode"] == 2 and ds[3].reasons["decode"] == Reason.LOAD_FELL
+
+
+def test_predicted_decode_load_averages_arrivals_over_a_window():
+    # A few requests an interval: 0 and 800 max_tokens/s in turn (400 on average, 10 streams). Over
+    # the 10 s window the prediction stays within 10% of 10; with the prompt load's weight (half on
+    # the newest interval) it would swing between ~6.7 and ~13.3.
+    planner, seen = Planner(CONFIG, KNOWN), []
+    for i in range(60):
+        planner.decide(obs(1, 2, max_tokens_per_s=800 * (i % 2), finished_output_tokens=50, finished_max_tokens=100,
+                           decode_streams=10, itl_mean_s=0.02), float(i))
+        seen.append(planner.predicted_streams)
+    assert 9.0 <= min(seen[40:]) and max(seen[40:]) <= 11.0
