@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,18 @@ class PrefillJob:
 
 
 class PrefillLoop(EngineLoop):
+    """A prompt's life here (``jobs`` holds its ``PrefillJob`` from its Submit until its transfer ends):
+
+        submit --the engine computes it, in chunks--> computed (``first``) --_ship: Notify-->
+            --_reap: every rank's transfer ops done--> (gone: its blocks go back to the prefix cache)
+
+    Its destination (``set_destination``, from the decode worker) may come at any point. Before
+    the prompt is computed, each chunk's blocks are written after every layer of its forward
+    (``_layer_plan``: ``next_block``, ``layers_shipped``); after, ``_ship`` writes what is left.
+    ``shipping``: transfer ops are out, so ``_reap`` polls them. A destination that comes before
+    its Submit waits in ``early``; an Abort that comes before it is remembered in ``ended``, and
+    the Submit is refused. Unlike ``DecodeJob.state``, the stage is these fields, not one."""
+
     def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
                  fabric: kvtransfer.FakeFabric | None = None) -> None:
         super().__init__("prefill-engine", config.log_interval_s)
@@ -77,7 +90,7 @@ class PrefillLoop(EngineLoop):
         self.jobs: dict[str, PrefillJob] = {}
         self.early: dict[str, tuple[Destination, float]] = {}
         self.ended: dict[str, float] = {}          # aborted before their Submit came: its Submit is refused
-        self._layer_writes: list[list[Any]] = []   # this step's per-layer writes
+        self._write_layer: Callable[[int], None] | None = None   # this step's per-layer writes (_layer_plan)
         self._interval = {"new_seq": 0, "new_token": 0, "cached_token": 0}
         self._last_prompt_tokens = 0
         self._last_prefix = (0, 0)                # engine's (queried, hit) prefix tokens at the last update
@@ -186,7 +199,7 @@ class PrefillLoop(EngineLoop):
         beside all of its chunks, not only the last. A block the chunk fills only in part goes
         again with the next chunk; writes are in order per sender, and the decode worker takes
         the KV only at the notify, which follows them all."""
-        self._layer_writes = []
+        writes: list[list[Any]] = []
         block_size = self.engine.block_size
         for chunk in chunks:
             job = self.jobs.get(chunk.request_id)
@@ -194,15 +207,18 @@ class PrefillLoop(EngineLoop):
                 continue  # nowhere to send it yet: _ship writes every layer once it is known
             src, dst = self._block_pairs(job, chunk.block_ids)
             upto = cdiv(chunk.end, block_size)
-            self._layer_writes.append([job.request_id, src[job.next_block:upto], dst[job.next_block:upto]])
+            writes.append([job.request_id, src[job.next_block:upto], dst[job.next_block:upto]])
             job.next_block = chunk.end // block_size
             job.shipping = True
             job.layers_shipped = chunk.completes_prompt
-        return {"writes": self._layer_writes}
+        plan = {"writes": writes}
+        # Rank 0 writes its heads with the hook every follower rank builds from the same plan.
+        self._write_layer = self.rank.after_layer(plan)
+        return plan
 
     def _after_layer(self, layer: int) -> None:
-        for request_id, src, dst in self._layer_writes:
-            self.rank.write(request_id, [layer], src, dst)
+        if self._write_layer is not None:
+            self._write_layer(layer)
 
     def _ship(self, job: PrefillJob) -> None:
         """Write what the forward pass did not ship yet, then send the first token."""
