@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -16,6 +15,7 @@ import signal
 import sys
 
 from protos.grpc_io import use_polling_io
+from protos.process import freeze_heap
 
 use_polling_io()   # before anything imports grpc (protos/grpc_io.py): the router's process, not its package
 
@@ -97,13 +97,6 @@ async def serve(config: RouterConfig) -> int:
     logging.getLogger(__name__).info("router shutting down")
     await router.stop()
     return 0
-
-
-def freeze_heap() -> None:
-    """Leave what start-up made out of the garbage collector's full collections: they would
-    walk every module, tokenizer and proto object on each pass (tens of ms with the loop held)."""
-    gc.collect()
-    gc.freeze()
 
 
 def run(coro) -> int:

@@ -104,6 +104,15 @@ def test_ceiling_division_is_cdiv():
     assert copies == [], "use engine.math_utils.cdiv:\n" + "\n".join(copies)
 
 
+def test_the_start_up_heap_is_frozen_in_one_place():
+    """The router and every worker rank freeze their start-up heap with protos.process.freeze_heap."""
+    copies = [f"{path.relative_to(ROOT)}:{n}" for package in PRODUCT for path in (ROOT / package).rglob("*.py")
+              if path.relative_to(ROOT).as_posix() != "protos/process.py"
+              for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+              if re.search(r"\bgc\.freeze\(|^\s*def freeze_heap\b", line)]
+    assert copies == [], "use protos.process.freeze_heap:\n" + "\n".join(copies)
+
+
 def _string_literals(tree: ast.AST) -> list[tuple[int, str]]:
     """(line, text) of every str literal but docstrings, f-strings' literal parts included."""
     docstrings = {id(node.body[0].value) for node in ast.walk(tree)

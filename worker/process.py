@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ from typing import Any
 from engine.cli_args import add_config_args, config_from_args
 from engine.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from protos.auth import require_secret
+from protos.process import freeze_heap
 from worker.config import NOT_FLAGS, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -96,15 +96,6 @@ def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = N
         return asyncio.run(_serve(role, worker, parts))
     finally:
         parts.close()
-
-
-def freeze_heap() -> None:
-    """Leave what start-up made (the model's modules, the tokenizer, every import) out of the
-    garbage collector's full collections. With SmolLM2 loaded a full collection walks ~300k
-    objects, ~120 ms on 2 vCPUs, holding the GIL and so the engine thread; after this it walks
-    only what serving made."""
-    gc.collect()
-    gc.freeze()
 
 
 def _exit_on_signal(signum: int, frame: object) -> None:

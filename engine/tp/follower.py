@@ -76,8 +76,8 @@ def run_follower(model_config: ModelConfig, cache_config: CacheConfig, scheduler
                  parallel: ParallelConfig, make_handler: Callable[[ModelRunner], FollowerHooks] | None = None,
                  on_ready: Callable[[], None] | None = None) -> int:
     """Build this rank's runner, serve until STOP (0), SIGTERM/SIGINT (0), or failure (1)."""
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    signal.signal(signal.SIGINT, _exit_on_signal)
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGINT, _stop_on_signal)
     runner = None
     handler = None
     try:
@@ -110,7 +110,8 @@ class _Stop(BaseException):
     """SIGTERM/SIGINT: unwind and clean up (a follower has no other way to be told)."""
 
 
-def _exit_on_signal(signum: int, frame: object) -> None:
+def _stop_on_signal(signum: int, frame: object) -> None:
+    """Unwind to run_follower's clean-up, which exits 0 (a worker's _exit_on_signal exits 128 + signum)."""
     raise _Stop()
 
 
