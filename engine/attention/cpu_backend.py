@@ -12,14 +12,18 @@ log-sum-exp (flash-decoding), so a long document among short chats, or alone, ke
 busy; off by default (``DECODE_PARTITION_TOKENS``) until measured to help.
 
 Queries and caches may be float32 or bfloat16; other dtypes take the torch path. Kernels use
-``torch.get_num_threads()`` threads, and results do not depend on the thread count. Prefill
-uses the C kernel too, except for bfloat16 chunks of at least ``SDPA_MIN_CHUNK`` tokens on CPUs
-with AMX, which go to torch's SDPA (its AMX tiles beat the kernel's AVX-512 products despite the
-gathered copy): on 2 cores with AMX, SDPA / kernel ms was 0.32 / 0.60 for one 256-token prompt,
-1.05 / 2.11 for 512, 10.5 / 31.8 for 2048 and 1.22 / 1.55 for 8 x 128, but 0.73 / 0.49 for
-8 x 64 and 1.11 / 0.40 for 16 x 32. Without AMX the kernel was 1.8-3.8x faster than SDPA on
-every case tried, 16-token chunks over a prefix up to one 4096-token fresh prompt
-(``python -m benchmarks.attention_cpu --long``).
+``torch.get_num_threads()`` threads, and results do not depend on the thread count. On CPUs with
+AMX, bfloat16 prefill runs on the AMX tiles (``tandem_paged_prefill_amx``: scores as K Q^T, 16
+queries of a head per work item, online softmax across the lanes) where head_dim is a multiple
+of 32 up to 256 and block_size a multiple of 16. On 2 AMX cores, SmolLM2's 9/3 heads, ms of AMX /
+AVX-512 kernel / torch SDPA (which gathers the context first): one 256-token prompt 0.28 / 0.61 /
+0.42, 512: 0.78 / 2.21 / 1.20, 1024: 2.42 / 8.23 / 3.10, 2048: 7.82 / 31.7 / 9.98, a 512-token chunk
+over a 2048-token context 3.70 / 13.9 / 5.92, 8 x 128: 0.88 / 1.53 / 1.33, 8 x 64: 0.39 / 0.52 /
+0.83, 16 x 32: 0.41 / 0.41 / 1.25 (2026-11-27, /tmp script against the float64 torch path, the
+three kernels' errors equal). Other AMX shapes keep the earlier rule: SDPA for bfloat16 chunks of
+at least ``SDPA_MIN_CHUNK`` tokens, the AVX-512 kernel below that. Without AMX the AVX-512 kernel
+was 1.8-3.8x faster than SDPA on every case tried, 16-token chunks over a prefix up to one
+4096-token fresh prompt (``python -m benchmarks.attention_cpu --long``).
 
 ``python -m engine.attention.cpu_backend --build`` compiles the kernels ahead of time.
 """
@@ -39,7 +43,7 @@ from engine.config import cpu_flags
 __all__ = ["KernelBuildError", "decode_attention", "load_kernels", "prefill_attention", "write_kv"]
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-SDPA_MIN_CHUNK = 128   # bfloat16 prefill chunks this long take SDPA on AMX CPUs (module docstring)
+SDPA_MIN_CHUNK = 128   # on AMX CPUs, bfloat16 chunks this long that the AMX kernel cannot run take SDPA
 # > 0: decode splits longer contexts into partitions of this many keys; 0 (off) until a quiet
 # A/B shows a gain (docs/performance.md, 2026-11-27)
 DECODE_PARTITION_TOKENS = 0
@@ -123,6 +127,8 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return torch_backend.prefill_attention(query, k_cache, v_cache, block_tables,
                                                query_start_loc, seq_lens, scale)
     starts, lens = _int32(query_start_loc), _int32(seq_lens)
+    if _amx_prefill(query, k_cache):
+        return _run(load_kernels().tandem_paged_prefill_amx, query, k_cache, v_cache, block_tables, lens, starts, scale)
     if _AMX and query.dtype == torch.bfloat16:
         long = (starts[1:] - starts[:-1]) >= SDPA_MIN_CHUNK
         if bool(long.all()):
@@ -131,6 +137,13 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         if bool(long.any()):
             return _split_prefill(query, k_cache, v_cache, block_tables, starts, lens, long, scale)
     return _run(load_kernels().tandem_paged_prefill, query, k_cache, v_cache, block_tables, lens, starts, scale)
+
+
+def _amx_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether this bfloat16 prefill runs on the AMX kernel (module docstring)."""
+    head_dim, block_size = k_cache.shape[-1], k_cache.shape[1]
+    return (_AMX and query.dtype == k_cache.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
+            and block_size % 16 == 0 and bool(load_kernels().tandem_prefill_amx_ready()))
 
 
 def _split_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -26,13 +26,15 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).resolve().parent.parent / "csrc"   # every C source and the headers they share
 SOURCE = CSRC / "paged_attention.c"
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-ABI_VERSION = 2  # tandem_abi_version() in the C source; bump both when the structs change
+ABI_VERSION = 3  # tandem_abi_version() in the C source; bump both when the structs change
 COMPILE_TIMEOUT_S = 120
 
 # C return codes -> what went wrong
 STATUS_MESSAGES = {1: "out of memory", 2: "num_heads is not a multiple of num_kv_heads (or head_dim < 1)",
                    3: "a sequence length exceeds its block table or a chunk exceeds its sequence",
-                   4: "a block table entry is not a block of the cache"}
+                   4: "a block table entry is not a block of the cache",
+                   5: "not supported here (the AMX prefill kernel needs AMX, bfloat16, head_dim a multiple of 32 "
+                      "up to 256 and block_size a multiple of 16)"}
 
 
 class KernelBuildError(RuntimeError):
@@ -170,9 +172,12 @@ def open_library(path: Path) -> ctypes.CDLL:
     common: list[type] = [ctypes.POINTER(Queries), ctypes.POINTER(KVCache), ctypes.POINTER(Seqs),
                           ctypes.c_float, ctypes.c_int32]  # ..., scale, num_threads
     lib.tandem_paged_prefill.argtypes = common
+    lib.tandem_paged_prefill_amx.argtypes = common
     lib.tandem_paged_decode.argtypes = [*common, ctypes.c_int32]  # ..., partition_tokens
-    for fn in (lib.tandem_paged_prefill, lib.tandem_paged_decode):
+    for fn in (lib.tandem_paged_prefill, lib.tandem_paged_prefill_amx, lib.tandem_paged_decode):
         fn.restype = ctypes.c_int
+    lib.tandem_prefill_amx_ready.argtypes = []
+    lib.tandem_prefill_amx_ready.restype = ctypes.c_int
     return lib
 
 

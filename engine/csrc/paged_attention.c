@@ -26,11 +26,12 @@
 
 #include "bf16.h"
 #include "avx512.h"
+#include "amx.h"
 
-#define ABI_VERSION 2
+#define ABI_VERSION 3
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 /* Return codes; engine/attention/cpu_kernels.py turns them into exceptions. */
-enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_SEQ_LEN = 3, ERR_BAD_BLOCK_ID = 4 };
+enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_SEQ_LEN = 3, ERR_BAD_BLOCK_ID = 4, ERR_UNSUPPORTED = 5 };
 
 #define KEY_TILE 64       /* keys per tile; also the row stride of score and transposed-K tiles */
 #define PREFILL_ROWS 64   /* at most this many (query token, head) rows per prefill work item */
@@ -1013,4 +1014,244 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
     }
     free(first_item);
     return status;
+}
+
+/* ------------------------------------------------------------------ prefill on AMX tiles */
+
+/* tandem_paged_prefill_amx: tandem_paged_prefill's contract for bfloat16 queries and caches with
+ * head_dim a multiple of 32 (at most AMX_MAX_HEAD_DIM) and block_size a multiple of 16, on the
+ * AMX unit; ERR_UNSUPPORTED elsewhere (the caller keeps the other kernel).
+ *
+ * Scores are computed transposed, S^T = K Q^T: 16 keys of one cache block are the A tile as they
+ * lie (rows a slot apart), and a work item's 16 queries of one head the B tile (head_dim pairs
+ * interleaved, the VNNI layout). One column is one query, so the online softmax runs lane-wise
+ * over the item's 16 queries, with no horizontal reductions. Values: O^T = V^T P^T. V^T is packed
+ * once per call and (sequence, kv head), head_dim rows of keys, and P^T's rows are paired as the
+ * B tile. As in the AVX512-BF16 kernel, products are bfloat16 pairs summed in float32 and the
+ * softmax weights are rounded to bfloat16 for the values (their sum is not). Work items are
+ * (sequence, run of 16 query tokens, head), each sequence's last (costliest) runs first; each
+ * output row is one thread's, in a fixed order, so results do not depend on the thread count. */
+#define AMX_QUERIES 16
+#define AMX_KEY_STEP 64   /* keys per softmax step: 4 score tiles, 2 value steps */
+#define AMX_MAX_HEAD_DIM 256
+
+#if HAVE_AMX
+/* [a0..a15] and [b0..b15] as bfloat16 pairs [a0 b0 a1 b1 ...]: one VNNI row of P^T. */
+static inline __m512i pair_rows_bf16(__m512 a, __m512 b) {
+    const __m512i index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    return _mm512_permutexvar_epi16(index, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+typedef struct {
+    const queries_t *qs;
+    const kv_cache_t *kv;
+    const seqs_t *seqs;
+    const uint16_t *vt;      /* V^T of every (sequence, kv head): head_dim rows of padded_len keys */
+    const int64_t *vt_offset; /* [num_seqs]: where sequence s's kv heads start in vt */
+    float scale_log2;
+} amx_prefill_t;
+
+static inline int32_t padded_len(int32_t seq_len) {
+    return (seq_len + AMX_KEY_STEP - 1) / AMX_KEY_STEP * AMX_KEY_STEP;
+}
+
+/* V^T[kv_head][i][k] = V[k, kv_head, i] for keys k < seq_len, 0 up to padded_len. */
+static void pack_values_transposed(const kv_cache_t *kv, const int32_t *table, int32_t seq_len, int kv_head,
+                                   uint16_t *restrict vt) {
+    const int d = kv->head_dim;
+    const int64_t width = padded_len(seq_len);
+    const uint16_t *cache = kv->v;
+    for (int32_t k = 0; k < seq_len; k++) {
+        const uint16_t *row = cache + table[k / kv->block_size] * kv->v_block_stride
+                              + (k % kv->block_size) * kv->v_slot_stride + kv_head * kv->v_head_stride;
+        for (int i = 0; i < d; i++) vt[i * width + k] = row[i];
+    }
+    for (int i = 0; i < d; i++) memset(vt + i * width + seq_len, 0, sizeof(uint16_t) * (width - seq_len));
+}
+
+/* Scores of up to 16 keys from `rows` (a cache block's slots, one kv head) against the B tile
+ * in tile 4, into tile T; tile ids are immediates, hence the macros. */
+#define AMX_SCORES(T)                                                                          \
+    if (nk > 16 * (T)) {                                                                      \
+        _tile_loadd(5, key_rows[T] + c * 32, kv->k_slot_stride * 2);                          \
+        _tile_dpbf16ps(T, 5, 4);                                                              \
+    }
+#define AMX_STORE_SCORES(T)                                                                    \
+    if (nk > 16 * (T)) _tile_stored(T, scores + (T) * 256, 64);
+
+static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int head) {
+    const queries_t *qs = job->qs;
+    const kv_cache_t *kv = job->kv;
+    const int d = kv->head_dim, group = qs->num_heads / kv->num_kv_heads, kv_head = head / group;
+    const int32_t q_begin = job->seqs->query_start_loc[seq];
+    const int32_t q_len = job->seqs->query_start_loc[seq + 1] - q_begin;
+    const int32_t seq_len = job->seqs->seq_lens[seq], context = seq_len - q_len;
+    const int nq = q_len - t0 < AMX_QUERIES ? q_len - t0 : AMX_QUERIES;
+    const int32_t *table = job->seqs->block_tables + seq * job->seqs->block_table_stride;
+    const int64_t width = padded_len(seq_len);
+    const uint16_t *vt = job->vt + job->vt_offset[seq] + (int64_t)kv_head * d * width;
+
+    /* Q^T as B tiles: qt[c][r][2n + e] = q[t0 + n, head, 32c + 2r + e]; queries past nq are 0 */
+    uint32_t qt[AMX_MAX_HEAD_DIM / 32 * 256] __attribute__((aligned(64)));
+    for (int n = 0; n < AMX_QUERIES; n++) {
+        const uint32_t *row = n < nq ? (const uint32_t *)((const uint16_t *)qs->q + (q_begin + t0 + n) * qs->q_token_stride
+                                                           + head * qs->q_head_stride) : NULL;
+        for (int c = 0; c < d / 32; c++)
+            for (int r = 0; r < 16; r++) qt[c * 256 + r * 16 + n] = row ? row[c * 16 + r] : 0;
+    }
+    float acc[AMX_MAX_HEAD_DIM * AMX_QUERIES] __attribute__((aligned(64)));   /* O^T, d rows of 16 queries */
+    float scores[AMX_KEY_STEP * AMX_QUERIES] __attribute__((aligned(64)));    /* S^T, a row per key */
+    float part[16 * AMX_QUERIES] __attribute__((aligned(64)));
+    uint16_t pt[AMX_KEY_STEP * AMX_QUERIES] __attribute__((aligned(64)));     /* P^T: B tiles of 32 keys */
+    memset(acc, 0, sizeof(float) * d * AMX_QUERIES);
+    __m512 running_max = _mm512_set1_ps(-INFINITY), running_sum = _mm512_setzero_ps();
+    /* lane n's query sits at context + t0 + n and sees keys up to there */
+    const __m512i last_key = _mm512_add_epi32(_mm512_set1_epi32(context + t0),
+                                              _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
+    const int32_t key_end = context + t0 + nq;
+    const uint16_t *k_cache = kv->k;
+    for (int32_t k0 = 0; k0 < key_end; k0 += AMX_KEY_STEP) {
+        const int nk = key_end - k0 < AMX_KEY_STEP ? key_end - k0 : AMX_KEY_STEP;
+        const uint16_t *key_rows[AMX_KEY_STEP / 16];
+        for (int t = 0; t < AMX_KEY_STEP / 16; t++) {
+            const int32_t k = k0 + 16 * t;
+            key_rows[t] = nk > 16 * t ? k_cache + table[k / kv->block_size] * kv->k_block_stride
+                                        + (k % kv->block_size) * kv->k_slot_stride + kv_head * kv->k_head_stride : NULL;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int c = 0; c < d / 32; c++) {
+            _tile_loadd(4, qt + c * 256, 64);
+            AMX_SCORES(0) AMX_SCORES(1) AMX_SCORES(2) AMX_SCORES(3)
+        }
+        AMX_STORE_SCORES(0) AMX_STORE_SCORES(1) AMX_STORE_SCORES(2) AMX_STORE_SCORES(3)
+
+        __m512 step_max = running_max;
+        for (int j = 0; j < nk; j++) {
+            const __mmask16 visible = _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last_key);
+            const __m512 s = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY),
+                                                  _mm512_mul_ps(_mm512_load_ps(scores + j * 16), _mm512_set1_ps(job->scale_log2)));
+            _mm512_store_ps(scores + j * 16, s);
+            step_max = _mm512_max_ps(step_max, s);
+        }
+        /* every lane sees key 0, so step_max is finite from the first step on */
+        const __mmask16 moved = _mm512_cmp_ps_mask(step_max, running_max, _CMP_NEQ_OQ);
+        const __m512 alpha = exp2_nonpositive_512(_mm512_sub_ps(running_max, step_max));
+        if (moved) {
+            running_sum = _mm512_mul_ps(running_sum, alpha);
+            for (int i = 0; i < d; i++) _mm512_store_ps(acc + i * 16, _mm512_mul_ps(_mm512_load_ps(acc + i * 16), alpha));
+        }
+        const int paired = (nk + 31) / 32 * 32;   /* keys in whole B tiles */
+        for (int j = 0; j < paired; j += 2) {
+            __m512 p[2];
+            for (int e = 0; e < 2; e++) {
+                if (j + e < nk) {
+                    const __m512 s = _mm512_load_ps(scores + (j + e) * 16);
+                    const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+                    p[e] = _mm512_maskz_mov_ps(seen, exp2_nonpositive_512(_mm512_sub_ps(s, step_max)));
+                    running_sum = _mm512_add_ps(running_sum, p[e]);
+                } else {
+                    p[e] = _mm512_setzero_ps();
+                }
+            }
+            _mm512_store_si512((void *)(pt + j * 16), pair_rows_bf16(p[0], p[1]));
+        }
+        running_max = step_max;
+        for (int i0 = 0; i0 < d; i0 += 16) {
+            _tile_zero(0);
+            for (int j = 0; j < paired; j += 32) {
+                _tile_loadd(1, vt + i0 * width + k0 + j, width * 2);
+                _tile_loadd(2, pt + j * 16, 64);
+                _tile_dpbf16ps(0, 1, 2);
+            }
+            _tile_stored(0, part, 64);
+            for (int i = 0; i < 16; i++)
+                _mm512_store_ps(acc + (i0 + i) * 16, _mm512_add_ps(_mm512_load_ps(acc + (i0 + i) * 16),
+                                                                   _mm512_load_ps(part + i * 16)));
+        }
+    }
+    const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum);
+    for (int i = 0; i < d; i++) _mm512_store_ps(acc + i * 16, _mm512_mul_ps(_mm512_load_ps(acc + i * 16), inv));
+    for (int n = 0; n < nq; n++) {
+        uint16_t *out = (uint16_t *)qs->out + (q_begin + t0 + n) * qs->out_token_stride + head * qs->out_head_stride;
+        for (int i = 0; i < d; i++) out[i] = f32_to_bf16(acc[i * 16 + n]);
+    }
+}
+#endif /* HAVE_AMX */
+
+/* Whether tandem_paged_prefill_amx can run here: built for AMX, and the kernel granted the tile state. */
+int tandem_prefill_amx_ready(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int tandem_paged_prefill_amx(const queries_t *qs, const kv_cache_t *kv, const seqs_t *seqs,
+                             float scale, int32_t num_threads) {
+#if !HAVE_AMX
+    (void)qs, (void)kv, (void)seqs, (void)scale, (void)num_threads;
+    return ERR_UNSUPPORTED;
+#else
+    const int d = kv->head_dim, num_seqs = seqs->num_seqs;
+    if (!amx_permitted() || qs->dtype != DTYPE_BFLOAT16 || kv->dtype != DTYPE_BFLOAT16 || d % 32
+        || d > AMX_MAX_HEAD_DIM || kv->block_size % 16)
+        return ERR_UNSUPPORTED;
+    const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
+    if (group < 1 || group * kv->num_kv_heads != qs->num_heads) return ERR_BAD_SHAPE;
+    int64_t *first_item = malloc(sizeof(int64_t) * (2 * num_seqs + 1));
+    if (!first_item) return ERR_NO_MEMORY;
+    int64_t *vt_offset = first_item + num_seqs + 1;
+    first_item[0] = 0;
+    int64_t vt_elems = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        const int32_t q_len = seqs->query_start_loc[s + 1] - seqs->query_start_loc[s];
+        const int32_t seq_len = seqs->seq_lens[s];
+        const int32_t *table = seqs->block_tables + s * seqs->block_table_stride;
+        if (q_len < 0 || q_len > seq_len || !context_valid(seqs, kv, s)) {
+            free(first_item);
+            return ERR_BAD_SEQ_LEN;
+        }
+        if (seq_len > 0 && !blocks_valid(table, 0, seq_len, kv)) {
+            free(first_item);
+            return ERR_BAD_BLOCK_ID;
+        }
+        first_item[s + 1] = first_item[s] + (q_len + AMX_QUERIES - 1) / AMX_QUERIES * qs->num_heads;
+        vt_offset[s] = vt_elems;
+        vt_elems += (int64_t)padded_len(seq_len) * d * kv->num_kv_heads;
+    }
+    uint16_t *vt = aligned_alloc(64, (size_t)((vt_elems * 2 + 63) / 64 * 64 + 64));
+    if (!vt) {
+        free(first_item);
+        return ERR_NO_MEMORY;
+    }
+    const amx_prefill_t job = {qs, kv, seqs, vt, vt_offset, scale * LOG2E};
+    const int64_t num_items = first_item[num_seqs], num_packs = (int64_t)num_seqs * kv->num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        amx_configure(6);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t p = 0; p < num_packs; p++) {
+            const int s = (int)(p / kv->num_kv_heads), h = (int)(p % kv->num_kv_heads);
+            pack_values_transposed(kv, seqs->block_tables + s * seqs->block_table_stride, seqs->seq_lens[s], h,
+                                   vt + vt_offset[s] + (int64_t)h * d * padded_len(seqs->seq_lens[s]));
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < num_items; item++) {
+            const int seq = seq_of_item(first_item, num_seqs, item);
+            const int64_t local = item - first_item[seq];
+            const int32_t q_len = seqs->query_start_loc[seq + 1] - seqs->query_start_loc[seq];
+            const int64_t num_runs = (q_len + AMX_QUERIES - 1) / AMX_QUERIES;
+            const int32_t t0 = (int32_t)(num_runs - 1 - local / qs->num_heads) * AMX_QUERIES;
+            amx_prefill_item(&job, seq, t0, (int)(local % qs->num_heads));
+        }
+    }
+    free(vt);
+    free(first_item);
+    return OK;
+#endif
 }

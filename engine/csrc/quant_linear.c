@@ -39,15 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "avx512.h"
-
-#if HAVE_AVX512 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-#else
-#define HAVE_AMX 0
-#endif
+#include "amx.h"
 
 #define ABI_VERSION 3
 /* GGML type ids (gguf.GGMLQuantizationType). */
@@ -269,18 +261,6 @@ int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
 /* AMX tile registers: 0-3 accumulate out^T for up to 4 blocks of 16 x rows, 4 holds the weight
  * tile, 5 a block of transposed x. Tile ids are immediates, hence the unrolled macros. */
 #define AMX_XBLOCKS 4
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-static int amx_permitted(void) {
-    /* Linux hands out AMX state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). */
-    static int state = 0;
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
-    return state == 1;
-}
 
 /* xt[(b * nkc + c) * 512 + r * 32 + m * 2 + e] = x[16 b + m, 32 c + 2 r + e], zero past M. */
 static void transpose_x(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, uint16_t *xt) {
@@ -357,17 +337,6 @@ static const uint16_t *transposed_x(const uint16_t *x, int64_t x_stride, int64_t
     return xt_buffer;   /* the team's threads see the caller's buffer, not their own */
 }
 
-static void amx_configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 6; t++) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* out[m, n0 + j] = bf16(sum_k x[m, k] * wt[j, k]) for every m < M and j < nt: the 16 bf16 weight
  * rows at wt (row stride w_stride elements, rows past nt zero or any readable values: their
  * results are not stored) against every block of x^T in xt. `acc` holds 16 x 16 floats. */
@@ -440,7 +409,7 @@ static int amx_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K,
 #pragma omp atomic write
             failed = 1;
         } else if (first < last) {
-            amx_configure();
+            amx_configure(6);
             for (int64_t t = first; t < last; t++) {
                 const int64_t n0 = t * 16;
                 const int nt = (int)(N - n0 < 16 ? N - n0 : 16);

@@ -293,16 +293,73 @@ def test_decode_work_items_of_one_or_all_kv_heads_give_identical_results(gen, th
 @pytest.mark.parametrize("chunks", [[(300, 300)], [(20, 50), (200, 520), (5, 5), (128, 128), (127, 200)]],
                          ids=["one long", "long and short mixed"])
 def test_bfloat16_prefill_on_amx_sends_long_chunks_to_sdpa_and_stays_exact(gen, monkeypatch, chunks):
-    """On AMX CPUs bfloat16 chunks of SDPA_MIN_CHUNK tokens or more take SDPA, the rest the kernel,
-    in one output in the caller's row order (forced here, so any CPU checks it)."""
+    """On AMX CPUs, bfloat16 chunks the AMX kernel cannot run take SDPA from SDPA_MIN_CHUNK tokens,
+    the AVX-512 kernel below, in one output in the caller's row order (forced here, so any CPU
+    checks it)."""
     run, ref = _prefill_case(gen, chunks, group=3, num_kv_heads=3, dtype=torch.bfloat16)
     monkeypatch.setattr(cpu_backend, "_AMX", True)
+    monkeypatch.setattr(cpu_backend, "_amx_prefill", lambda query, k_cache: False)
     calls = []
     sdpa = cpu_backend.torch_backend.prefill_attention
     monkeypatch.setattr(cpu_backend.torch_backend, "prefill_attention",
                         lambda query, *args: calls.append(query.shape[0]) or sdpa(query, *args))
     _check(run(), ref, torch.bfloat16)
     assert calls == [sum(q for q, _ in chunks if q >= cpu_backend.SDPA_MIN_CHUNK)]
+
+
+amx_prefill = pytest.mark.skipif(
+    not (cpu_backend._AMX and cpu_kernels.load().tandem_prefill_amx_ready()), reason="needs a CPU with AMX")
+
+
+def _amx_kernel(query, k_cache, v_cache, block_tables, starts, seq_lens, scale):
+    """tandem_paged_prefill_amx itself, so a case cannot pass on another kernel."""
+    return cpu_backend._run(cpu_kernels.load().tandem_paged_prefill_amx, query, k_cache, v_cache, block_tables,
+                            cpu_backend._int32(seq_lens), cpu_backend._int32(starts), scale)
+
+
+@amx_prefill
+@pytest.mark.parametrize("chunks", [PREFILL_CHUNKS, [(512, 512)], [(100, 1000)], [(17, 17)] * 9],
+                         ids=["mixed", "fresh_512", "100_over_900_prefix", "nine_of_17"])
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 3, 16), (128, 4, 32), (32, 1, 16), (64, 8, 64)])
+def test_bfloat16_prefill_on_the_amx_kernel_matches_float64_reference(gen, monkeypatch, chunks, head_dim, group,
+                                                                       block_size):
+    """The AMX kernel over caches whose slots outside every context hold NaN; prefill_attention
+    sends every chunk it can run to it."""
+    run, ref = _prefill_case(gen, chunks, group=group, num_kv_heads=2, head_dim=head_dim, block_size=block_size,
+                             dtype=torch.bfloat16)
+    calls, kernel_run = [], cpu_backend._run
+    monkeypatch.setattr(cpu_backend, "_run", lambda fn, *args: calls.append(fn) or kernel_run(fn, *args))
+    _check(run(), ref, torch.bfloat16)
+    assert calls == [cpu_kernels.load().tandem_paged_prefill_amx]
+
+
+@amx_prefill
+def test_the_amx_prefill_kernel_gives_the_same_results_on_one_and_two_threads(gen, threads):
+    q_lens, seq_lens = zip(*PREFILL_CHUNKS)
+    paged = make_paged_kv(gen, list(seq_lens), num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    query = torch.randn(sum(q_lens), 9, 64, generator=gen).bfloat16()
+    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
+    args = (query, paged.k_cache, paged.v_cache, paged.block_tables, starts, seq_lens, 0.125)
+    threads(1)
+    one = _amx_kernel(*args)
+    threads(2)
+    assert torch.equal(one, _amx_kernel(*args))
+
+
+@amx_prefill
+def test_the_amx_prefill_kernel_refuses_what_it_cannot_run(gen):
+    """A head_dim off its 32-wide tiles is refused (prefill_attention never sends one), and so
+    is a block id outside the cache, before anything is computed."""
+    paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=48, block_size=16, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not supported here"):
+        _amx_kernel(torch.randn(20, 1, 48).bfloat16(), paged.k_cache, paged.v_cache, paged.block_tables,
+                    (0, 20), (20,), 0.1)
+    assert not cpu_backend._amx_prefill(torch.randn(20, 1, 48).bfloat16(), paged.k_cache)
+    paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    table = paged.block_tables.clone()
+    table[0, 1] = paged.k_cache.shape[0]
+    with pytest.raises(ValueError, match="block table entry"):
+        _amx_kernel(torch.randn(20, 1, 64).bfloat16(), paged.k_cache, paged.v_cache, table, (0, 20), (20,), 0.1)
 
 
 def test_block_id_outside_the_cache_is_refused(gen):
