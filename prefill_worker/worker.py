@@ -14,6 +14,7 @@ acts, and a job's blocks return only once every rank's transfer ops have finishe
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -46,6 +47,21 @@ class Destination:
     descriptor: bytes
 
 
+class PrefillStage(enum.Enum):
+    """Where a prompt is on this worker (``PrefillJob.stage``; ``PrefillLoop`` opens with the life
+    cycle). Only ``PrefillLoop._move`` changes it."""
+
+    COMPUTING = "computing"   # the engine computes the prompt; none of its KV written yet
+    WRITING = "writing"       # computing, and each chunk's KV is written layer by layer as it runs
+    COMPUTED = "computed"     # computed (``first``), its blocks held, waiting for its destination
+    SHIPPED = "shipped"       # every write and the notify are out: ``_reap`` polls them
+
+    @property
+    def transferring(self) -> bool:
+        """Transfer ops are out (on every rank)."""
+        return self in (PrefillStage.WRITING, PrefillStage.SHIPPED)
+
+
 @dataclass
 class PrefillJob:
     request_id: str
@@ -53,26 +69,29 @@ class PrefillJob:
     params: SamplingParams
     decode_address: str
     arrival_s: float = field(default_factory=time.monotonic)
-    destination: Destination | None = None
-    first: StepOutput | None = None           # set once the prompt is computed
+    stage: PrefillStage = PrefillStage.COMPUTING
+    destination: Destination | None = None    # the decode worker's blocks, whenever they come
+    first: StepOutput | None = None           # the first token, once the prompt is computed
     layers_shipped: bool = False              # every block's per-layer writes issued during forwards
     next_block: int = 0                       # blocks before this one were written whole, every layer
-    shipping: bool = False                    # transfer ops issued (on every rank)
     destination_s: float | None = None
 
 
 class PrefillLoop(EngineLoop):
-    """A prompt's life here (``jobs`` holds its ``PrefillJob`` from its Submit until its transfer ends):
+    """A prompt's life here, one ``PrefillJob.stage`` (``_move`` is the only writer):
 
-        submit --the engine computes it, in chunks--> computed (``first``) --_ship: Notify-->
-            --_reap: every rank's transfer ops done--> (gone: its blocks go back to the prefix cache)
+        COMPUTING --_layer_plan (destination known)--> WRITING --last chunk: _ship--> SHIPPED
+        COMPUTING --last chunk, no destination yet--> COMPUTED --set_destination: _ship--> SHIPPED
+        SHIPPED --_reap: every rank's transfer ops done--> (gone: its blocks go back to the prefix cache)
 
-    Its destination (``set_destination``, from the decode worker) may come at any point. Before
-    the prompt is computed, each chunk's blocks are written after every layer of its forward
-    (``_layer_plan``: ``next_block``, ``layers_shipped``); after, ``_ship`` writes what is left.
-    ``shipping``: transfer ops are out, so ``_reap`` polls them. A destination that comes before
-    its Submit waits in ``early``; an Abort that comes before it is remembered in ``ended``, and
-    the Submit is refused. Unlike ``DecodeJob.state``, the stage is these fields, not one."""
+    Its destination (``set_destination``, from the decode worker) may come at any point. While
+    WRITING, each chunk's blocks are written after every layer of its forward (``_layer_plan``;
+    ``next_block`` and ``layers_shipped`` count how far); ``_ship`` writes what is left and sends
+    the notify. Any stage ends at once on an abort; COMPUTED ends after
+    ``EARLY_DESTINATION_TTL_S`` without a destination. ``jobs`` holds every submitted prompt until
+    it is gone (kept by ``_move`` too). Before its Submit a request has no job: a destination that
+    comes first waits in ``early``, an Abort that comes first is remembered in ``ended`` (and the
+    Submit is refused)."""
 
     def __init__(self, engine: LLMEngine, config: WorkerConfig, metrics: WorkerMetrics,
                  fabric: kvtransfer.FakeFabric | None = None) -> None:
@@ -107,7 +126,7 @@ class PrefillLoop(EngineLoop):
         # The prefill worker samples only the first token.
         self.engine.add_request(job.request_id, job.prompt_token_ids,
                                 dataclasses.replace(job.params, max_tokens=1))
-        self.jobs[job.request_id] = job
+        self._move(job, PrefillStage.COMPUTING)
         self._interval["new_seq"] += 1
         early = self.early.pop(job.request_id, None)
         if early is not None:
@@ -140,11 +159,19 @@ class PrefillLoop(EngineLoop):
         self.ranks.run([Open(request_id, destination.descriptor, destination.block_ids)])
         job.destination = destination
         job.destination_s = time.monotonic()
-        if job.first is not None:
+        if job.stage == PrefillStage.COMPUTED:
             self._ship(job)
 
+    def _move(self, job: PrefillJob, stage: PrefillStage | None) -> None:
+        """Put ``job`` in ``stage`` (None: it is gone from this worker)."""
+        if stage is None:
+            self.jobs.pop(job.request_id, None)
+            return
+        job.stage = stage
+        self.jobs[job.request_id] = job
+
     def abort(self, request_id: str) -> bool:
-        job = self.jobs.pop(request_id, None)
+        job = self.jobs.get(request_id)
         if job is None:
             early = self.early.pop(request_id, None)
             if early is not None:
@@ -154,6 +181,7 @@ class PrefillLoop(EngineLoop):
                 # the Submit would compute a prompt nobody reads and hold its blocks.
                 self.ended[request_id] = time.monotonic()
             return early is not None
+        self._move(job, None)
         if job.destination is not None:
             self.ranks.run([Cancel(request_id, "aborted at the prefill worker"), Forget(request_id)])
         # Source blocks are only read by in-flight writes, and the request is cancelled, so
@@ -181,13 +209,15 @@ class PrefillLoop(EngineLoop):
             self.metrics.ttft.observe(time.monotonic() - job.arrival_s)
             if job.destination is not None:
                 self._ship(job)
+            else:
+                self._move(job, PrefillStage.COMPUTED)
         self._reap()
         self._expire_early()
         self._update_gauges()
         return busy
 
     def idle_wait_s(self) -> float:
-        return 0.002 if any(j.shipping for j in self.jobs.values()) else 0.05
+        return 0.002 if any(j.stage.transferring for j in self.jobs.values()) else 0.05
 
     def _layer_plan(self, chunks: list[PromptChunk]) -> dict[str, Any]:
         """Before a step: the prompts whose KV is written layer by layer during its forward
@@ -209,7 +239,7 @@ class PrefillLoop(EngineLoop):
             upto = cdiv(chunk.end, block_size)
             writes.append([job.request_id, src[job.next_block:upto], dst[job.next_block:upto]])
             job.next_block = chunk.end // block_size
-            job.shipping = True
+            self._move(job, PrefillStage.WRITING)
             job.layers_shipped = chunk.completes_prompt
         plan = {"writes": writes}
         # Rank 0 writes its heads with the hook every follower rank builds from the same plan.
@@ -241,7 +271,7 @@ class PrefillLoop(EngineLoop):
             num_prompt_tokens=len(job.prompt_token_ids), num_cached_tokens=held.num_prefix_hit_tokens)
         ops.append(Notify(job.request_id, payload))
         self.ranks.run(ops)
-        job.shipping = True
+        self._move(job, PrefillStage.SHIPPED)
 
     def _block_pairs(self, job: PrefillJob, src_block_ids: list[int]) -> tuple[list[int], list[int]]:
         num_blocks = cdiv(len(job.prompt_token_ids), self.engine.block_size)
@@ -253,11 +283,11 @@ class PrefillLoop(EngineLoop):
         never came: the decode worker is gone)."""
         now = time.monotonic()
         for request_id, job in list(self.jobs.items()):
-            if job.first is not None and job.destination is None and now - job.arrival_s > EARLY_DESTINATION_TTL_S:
+            if job.stage == PrefillStage.COMPUTED and now - job.arrival_s > EARLY_DESTINATION_TTL_S:
                 logger.warning("no destination within %.0f s, dropping request_id=%s", EARLY_DESTINATION_TTL_S,
                                request_id)
                 self.abort(request_id)
-        shipped = [r for r, j in self.jobs.items() if j.first is not None and j.shipping]
+        shipped = [r for r, j in self.jobs.items() if j.stage == PrefillStage.SHIPPED]
         if not shipped:
             return
         codes = self.ranks.run([Poll(shipped)], reply=True)   # min over ranks
@@ -266,7 +296,8 @@ class PrefillLoop(EngineLoop):
             all_done, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
             if not all_done:
                 continue
-            job = self.jobs.pop(request_id)
+            job = self.jobs[request_id]
+            self._move(job, None)
             if not none_failed:
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer failed request_id=%s: %s", request_id,
@@ -295,7 +326,7 @@ class PrefillLoop(EngineLoop):
         stats = self.engine.stats()
         self.metrics.running.set(stats.num_running)
         self.metrics.waiting.set(stats.num_waiting)
-        self.metrics.transferring.set(sum(1 for j in self.jobs.values() if j.shipping))
+        self.metrics.transferring.set(sum(1 for j in self.jobs.values() if j.stage.transferring))
         self.metrics.kv_usage.set(stats.kv_usage)
         new_tokens = stats.num_prompt_tokens - self._last_prompt_tokens
         if new_tokens:
@@ -310,7 +341,7 @@ class PrefillLoop(EngineLoop):
     def stats(self) -> dict[str, Any]:
         stats = self.engine.stats()
         return {"role": "prefill", "num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "num_preallocated": 0, "num_transferring": sum(1 for j in self.jobs.values() if j.shipping),
+                "num_preallocated": 0, "num_transferring": sum(1 for j in self.jobs.values() if j.stage.transferring),
                 "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total,
                 "prompt_tokens_per_s": self._prompt_rate(time.monotonic(), stats.num_prompt_tokens),
                 "prefix_cache_queries": stats.num_prefix_queried_tokens,
