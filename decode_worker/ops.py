@@ -5,11 +5,26 @@ Applied by decode_worker/ranks.py's ``DecodeRank``; see worker/tp_role.py for ho
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from worker.tp_role import MirroredOp
 
-POLL_FIELDS = 3   # a Poll replies [done, freeable, not failed] per request
+
+class ReceivePoll(enum.IntEnum):
+    """A transfer's progress on one rank's receiver as a ``Poll`` reports it (SGLang's
+    ``KVPoll``), ordered so that the min over the ranks is the replica's: one rank's failure
+    fails the transfer at once, and it is done only once every rank has it."""
+
+    FAILED = 0      # failed or cancelled
+    IN_FLIGHT = 1   # expected, or being written
+    DONE = 2        # every layer and the notify landed
+
+
+# A Poll replies [ReceivePoll, freeable] per request. Freeable (the transfer ended and no writer
+# can still touch its blocks) is a flag of its own: it is not a step of the progress above (a
+# failed transfer may be freeable or not yet), so it has its own min ("every rank's is").
+POLL_FIELDS = 2
 
 
 @dataclass(frozen=True)
@@ -51,7 +66,8 @@ class Fence(MirroredOp):
 @dataclass(frozen=True)
 class Poll(MirroredOp):
     """Reply ``POLL_FIELDS`` ints per request, so after the min-reduce rank 0 knows whether
-    *every* rank has the transfer done (or its blocks freeable)."""
+    *every* rank has the transfer done, whether any failed, and whether every rank's blocks are
+    freeable."""
 
     TAG = "poll"
     request_ids: list[str]

@@ -4,13 +4,14 @@ Each TP rank of a decode worker registers its own KV pool shard (its KV heads) w
 kvtransfer receiver; prefill rank r writes into decode rank r. Rank 0's DecodeLoop changes
 receiver state on every rank through mirrored ops (decode_worker/ops.py, worker/tp_role.py):
 ``Expect`` a reservation, ``Cancel`` or ``Release`` it, ``Fence`` its writers when the request
-moves to another prefill worker, and ``Poll`` transfers, whose reply is min-reduced so rank 0
-knows whether *every* rank has the transfer done (or freeable).
+moves to another prefill worker, and ``Poll`` transfers, whose reply (a ``ReceivePoll`` and a
+freeable flag per request) is min-reduced so rank 0 knows whether *every* rank has the transfer
+done, any failed it, and every rank's blocks are freeable.
 """
 from __future__ import annotations
 
 import kvtransfer
-from decode_worker.ops import OP_TYPES, Cancel, Expect, Fence, Poll, Release
+from decode_worker.ops import OP_TYPES, Cancel, Expect, Fence, Poll, ReceivePoll, Release
 from worker.tp_role import MirroredOp, RoleHandler
 
 
@@ -41,9 +42,14 @@ class DecodeRank(RoleHandler):
 
     def _poll(self, request_id: str) -> list[int]:
         result = self.receiver.result(request_id)
-        failed = result.status in (kvtransfer.TransferStatus.FAILED, kvtransfer.TransferStatus.CANCELLED)
-        return [int(result.status is kvtransfer.TransferStatus.DONE),
-                int(result.status.terminal and result.blocks_freeable), int(not failed)]
+        status = result.status
+        if status is kvtransfer.TransferStatus.DONE:
+            poll = ReceivePoll.DONE
+        elif status in (kvtransfer.TransferStatus.FAILED, kvtransfer.TransferStatus.CANCELLED):
+            poll = ReceivePoll.FAILED
+        else:
+            poll = ReceivePoll.IN_FLIGHT
+        return [int(poll), int(status.terminal and result.blocks_freeable)]
 
     def close(self) -> None:
         self.receiver.close()

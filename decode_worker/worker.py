@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import kvtransfer
-from decode_worker.ops import POLL_FIELDS, Cancel, Expect, Fence, Poll, Release
+from decode_worker.ops import POLL_FIELDS, Cancel, Expect, Fence, Poll, ReceivePoll, Release
 from decode_worker.ranks import DecodeRank
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, StepOutput
@@ -281,13 +281,14 @@ class DecodeLoop(EngineLoop):
         codes = self.ranks.run([Poll([job.request_id for job in jobs])], reply=True)  # min over ranks
         for i, job in enumerate(jobs):
             request_id = job.request_id
-            all_done, all_freeable, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
+            code, all_freeable = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
+            poll = ReceivePoll(code)
             if job.state == DecodeState.RELEASING:   # free once no rank's writer can touch the blocks
                 if all_freeable:
                     self.ranks.run([Release(request_id)])
                     self.engine.free_blocks(job.block_ids)
                     self._move(job, None)
-            elif all_done:
+            elif poll is ReceivePoll.DONE:
                 payload = self.receiver.result(request_id).payload   # rank 0's notify
                 # Done means the notify came, after _admit reserved the blocks.
                 assert payload is not None and job.reserved_s is not None
@@ -301,7 +302,7 @@ class DecodeLoop(EngineLoop):
                     self.engine.free_blocks(job.block_ids)
                     logger.warning("bad notify from the prefill worker request_id=%s: %s", request_id, problem)
                     self._outbox.append((job.sink, StreamEvent(error=f"the prefill worker sent {problem}")))
-            elif not none_failed:
+            elif poll is ReceivePoll.FAILED:
                 # Failed on some rank: stop the others too; the blocks go once all are freeable.
                 result = self.receiver.result(request_id)
                 reason = result.reason if result.status.terminal else "KV transfer failed on another TP rank"

@@ -6,13 +6,26 @@ one per decode rank (``kvtransfer.join_descriptors``); each rank uses its own.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 import kvtransfer
 from worker.tp_role import MirroredOp
 
-POLL_FIELDS = 2   # a Poll replies [all done, none failed] per request
+
+class SendPoll(enum.IntEnum):
+    """A request's transfer ops on one rank as a ``Poll`` reports them, ordered so that the min
+    over the ranks is the replica's. Unlike decode's ``ReceivePoll``, in flight is the lowest: a
+    failure here ends nothing until every rank's ops finished, since until then a write may
+    still read the request's source blocks."""
+
+    IN_FLIGHT = 0   # some op not finished (one may have failed already)
+    FAILED = 1      # every op finished, at least one failed
+    DONE = 2        # every op finished and succeeded
+
+
+POLL_FIELDS = 1   # a Poll replies one SendPoll per request
 
 
 @dataclass(frozen=True)
@@ -95,7 +108,7 @@ class Forget(MirroredOp):
 
 @dataclass(frozen=True)
 class Poll(MirroredOp):
-    """Reply ``POLL_FIELDS`` ints per request: all its ops done, none failed."""
+    """Reply ``POLL_FIELDS`` ints per request: its ``SendPoll``."""
 
     TAG = "poll"
     request_ids: list[str]

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 import kvtransfer
-from prefill_worker.ops import OP_TYPES, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
+from prefill_worker.ops import OP_TYPES, Cancel, CancelAt, Forget, Notify, Open, Poll, SendPoll, Write
 from worker.tp_role import MirroredOp, RoleHandler
 
 logger = logging.getLogger(__name__)
@@ -95,12 +95,16 @@ class PrefillRank(RoleHandler):
                 case Poll():
                     self._evict_stalled()
                     for request_id in op.request_ids:
-                        futures = self.futures.get(request_id, [])
-                        reply += [int(all(f.done() for f in futures)),
-                                  int(not any(f.done() and f.exception() is not None for f in futures))]
+                        reply.append(int(self._poll(request_id)))
                 case _:
                     raise ValueError(f"unknown prefill rank op {op!r}")
         return reply
+
+    def _poll(self, request_id: str) -> SendPoll:
+        futures = self.futures.get(request_id, [])
+        if not all(f.done() for f in futures):
+            return SendPoll.IN_FLIGHT
+        return SendPoll.FAILED if any(f.exception() is not None for f in futures) else SendPoll.DONE
 
     def after_layer(self, extra: dict[str, Any]) -> Callable[[int], None] | None:
         writes = extra.get("writes")

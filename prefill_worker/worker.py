@@ -25,7 +25,7 @@ import kvtransfer
 from engine.config import SamplingParams
 from engine.llm_engine import LLMEngine, PromptChunk, StepOutput
 from engine.math_utils import cdiv
-from prefill_worker.ops import POLL_FIELDS, Cancel, CancelAt, Forget, Notify, Open, Poll, Write
+from prefill_worker.ops import Cancel, CancelAt, Forget, Notify, Open, Poll, SendPoll, Write
 from prefill_worker.ranks import PrefillRank
 from worker.config import WorkerConfig
 from worker.loop import EngineLoop
@@ -290,15 +290,15 @@ class PrefillLoop(EngineLoop):
         shipped = [r for r, j in self.jobs.items() if j.stage == PrefillStage.SHIPPED]
         if not shipped:
             return
-        codes = self.ranks.run([Poll(shipped)], reply=True)   # min over ranks
+        codes = self.ranks.run([Poll(shipped)], reply=True)   # min over ranks: one SendPoll each
         finished: list[MirroredOp] = []
-        for i, request_id in enumerate(shipped):
-            all_done, none_failed = codes[i * POLL_FIELDS:(i + 1) * POLL_FIELDS]
-            if not all_done:
+        for request_id, code in zip(shipped, codes, strict=True):
+            poll = SendPoll(code)
+            if poll is SendPoll.IN_FLIGHT:
                 continue
             job = self.jobs[request_id]
             self._move(job, None)
-            if not none_failed:
+            if poll is SendPoll.FAILED:
                 self.metrics.kv_transfer_failures.inc()
                 logger.warning("KV transfer failed request_id=%s: %s", request_id,
                                self.rank.error(request_id) or "failed on another TP rank")

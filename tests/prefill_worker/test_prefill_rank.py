@@ -11,7 +11,7 @@ import torch
 
 import kvtransfer
 from kvtransfer.messages import NotifyPayload
-from prefill_worker.ops import Forget, Notify, Open, Poll, Write
+from prefill_worker.ops import Forget, Notify, Open, Poll, SendPoll, Write
 from prefill_worker.ranks import PrefillRank
 
 LAYOUT = kvtransfer.KVLayout.from_dtype(torch.float32, block_size=4, num_layers=2, num_kv_heads=1, head_dim=8)
@@ -58,7 +58,11 @@ def test_a_failed_write_fails_its_request_and_stops_renewing_its_lease(decode_po
         assert result.status is kvtransfer.TransferStatus.CANCELLED, result
         assert "KV write failed: OSError" in result.reason and result.blocks_freeable
         assert decode_pool.wait("r2", timeout_s=3.0).status is kvtransfer.TransferStatus.DONE
-        assert poll(rank, "r1") == [1, 0] and poll(rank, "r2") == [1, 1]
+        assert poll(rank, "r1") == [SendPoll.FAILED]
+        deadline = time.monotonic() + 3   # r2's notify landed; its future completes on the sender's thread
+        while poll(rank, "r2") != [SendPoll.DONE]:
+            assert time.monotonic() < deadline, poll(rank, "r2")
+            time.sleep(0.01)
         assert "r1" not in sender._open   # no heartbeat renews it any more
     finally:
         rank.close()
@@ -74,7 +78,7 @@ def test_a_sender_whose_decode_worker_died_is_evicted_and_its_requests_fail(deco
         for _ in range(200):  # more than the socket queues hold: the ops stall
             rank.apply([Write("r1", [0], [0, 1], [0, 1])])
         deadline = time.monotonic() + 10
-        while poll(rank, "r1") != [1, 0]:
+        while poll(rank, "r1") != [SendPoll.FAILED]:
             assert time.monotonic() < deadline, "the stalled sender was never evicted"
             time.sleep(0.1)
         assert rank.senders == {}

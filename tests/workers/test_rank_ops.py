@@ -127,3 +127,12 @@ def test_mirrored_ops_apply_here_then_send_the_same_ops_to_followers():
     assert mirrored.run(ops, reply=True) == [1, 0, 1]
     assert here.applied == [ops] and there.applied == [ops]
     assert MirroredOps(here, None).run([decode_ops.Release("r1")]) == [1, 1, 1]
+
+
+def test_a_poll_reply_min_reduced_over_the_ranks_is_the_replicas_answer():
+    # Decode: one rank's failed transfer fails the request at once; done only when every rank is.
+    assert min(decode_ops.ReceivePoll.FAILED, decode_ops.ReceivePoll.IN_FLIGHT) is decode_ops.ReceivePoll.FAILED
+    assert min(decode_ops.ReceivePoll.DONE, decode_ops.ReceivePoll.IN_FLIGHT) is decode_ops.ReceivePoll.IN_FLIGHT
+    # Prefill: a failure ends the request only once no rank's op can still read its source blocks.
+    assert min(prefill_ops.SendPoll.FAILED, prefill_ops.SendPoll.IN_FLIGHT) is prefill_ops.SendPoll.IN_FLIGHT
+    assert min(prefill_ops.SendPoll.FAILED, prefill_ops.SendPoll.DONE) is prefill_ops.SendPoll.FAILED
