@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                        * engine_kv_bytes_per_token(args.model, dtype),
                                        enable_prefix_caching=False, shared_memory=False),
                            SchedulerConfig(max_num_seqs=max(batches), chunked_prefill_size=args.chunked_prefill_size))
+        engine.tune_kernels()   # as a worker does before it reports ready: not inside the first timed prefill
         nbytes = weight_nbytes(engine)
         rng = random.Random(0)
         print(f"\n{args.model} {dtype} (attention: {engine.runner.model.layers[0].self_attn.backend.__name__}): "
