@@ -10,6 +10,9 @@ both made of these parts.
   (what arrived while the taker was busy comes at once), then its end or its error.
 - ``refusal``: a request the peer refused or failed (an ``error_code`` in its answer) as the
   ``grpc.aio.AioRpcError`` a call of its own would have raised.
+- ``Wakeup``: one task's sleep until code on the same loop has something for it; the writer and
+  ``PendingMessages`` here, the workers' session handlers (worker/session.py) and the router's
+  Multiplex handler (router/grpc_api.py) all wait on one.
 
 Here, not in the router, so the SDK needs grpcio and protos only. Runs on the caller's asyncio
 loop; nothing here is thread-safe.
@@ -47,6 +50,35 @@ def refusal(error_code: int, error: str, transient: bool = False) -> grpc.aio.Ai
     return PeerFailure(_STATUS.get(error_code, grpc.StatusCode.UNKNOWN), error, transient)
 
 
+class Wakeup:
+    """One task sleeps in ``wait`` until another piece of code on the same loop calls ``wake``.
+    A wake while nobody waits is not remembered (no ``clear`` to forget, unlike an
+    ``asyncio.Event``), so the waiter checks for its work before each ``wait``, in a loop."""
+
+    __slots__ = ("_waiter",)
+
+    def __init__(self) -> None:
+        self._waiter: asyncio.Future | None = None
+
+    def wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self, timeout_at: float | None = None) -> None:
+        """Until the next ``wake()``; TimeoutError past ``timeout_at`` (a loop time)."""
+        loop = asyncio.get_running_loop()
+        waiter = self._waiter = loop.create_future()
+        try:
+            if timeout_at is None:
+                await waiter
+            else:
+                await asyncio.wait_for(waiter, timeout_at - loop.time())
+        finally:
+            if self._waiter is waiter:
+                self._waiter = None
+
+
 class SessionStream:
     """One peer's stream: batches what is started and aborted per turn of the loop, reads the
     answers on a task, and fails everything open when the stream breaks. Subclasses name the
@@ -67,7 +99,7 @@ class SessionStream:
         self._open_requests: dict[Any, Any] = {}
         self._starts: list[Any] = []         # what the writer sends next
         self._aborts: list[Any] = []
-        self._writer_idle: asyncio.Future | None = None   # the writer waits on it for work
+        self._writer_idle = Wakeup()          # the writer waits on it for work
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
@@ -110,7 +142,7 @@ class SessionStream:
             self._open()
         self._open_requests[request_id] = target
         self._starts.append(request)
-        self._wake_writer()
+        self._writer_idle.wake()
         return True
 
     def _abort(self, request_id: Any) -> None:
@@ -119,14 +151,9 @@ class SessionStream:
         if self._call is None:
             self._open()
         self._aborts.append(request_id)
-        self._wake_writer()
+        self._writer_idle.wake()
 
     # -- the stream ---------------------------------------------------------------------
-    def _wake_writer(self) -> None:
-        waiter = self._writer_idle
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def _open(self) -> None:
         call = self._call = self._new_call()
         loop = asyncio.get_running_loop()
@@ -155,14 +182,12 @@ class SessionStream:
         ran leaves together, so what a turn of the loop starts is one message, and so is what
         queued up while a write was on the wire. The writer is woken by the first start or
         abort of a turn and runs in the next, before work that turn scheduled after it."""
-        loop = asyncio.get_running_loop()
         try:
             if not await self._ready(call):
                 return              # the reader sees how the stream ended
             while self._call is call:
                 if not self._starts and not self._aborts:
-                    waiter = self._writer_idle = loop.create_future()
-                    await waiter
+                    await self._writer_idle.wait()
                     continue
                 starts, aborts, self._starts, self._aborts = self._starts, self._aborts, [], []
                 for message in self._messages(starts, aborts):
@@ -190,7 +215,7 @@ class SessionStream:
     def _broken(self, error: grpc.aio.AioRpcError) -> None:
         """The stream is gone: fail every open request with ``error``; the next request reopens."""
         call, self._call = self._call, None
-        self._wake_writer()      # it sees the stream gone and ends
+        self._writer_idle.wake()   # it sees the stream gone and ends
         if call is not None:
             call.cancel()
         open_requests, self._open_requests = self._open_requests, {}
@@ -203,14 +228,14 @@ class PendingMessages:
     """One request's messages as its stream's reader delivers them, handed over in batches, then
     its end or its error. The reader's side is ``_ready`` / ``_end`` / ``_wake``."""
 
-    __slots__ = ("_ready", "_error", "_ended", "_cancelled", "_waiter")
+    __slots__ = ("_ready", "_error", "_ended", "_cancelled", "_wakeup")
 
     def __init__(self) -> None:
         self._ready: list[Any] = []
         self._error: BaseException | None = None
         self._ended = False            # the last message (or an error) arrived
         self._cancelled = False
-        self._waiter: asyncio.Future | None = None
+        self._wakeup = Wakeup()
 
     async def take(self, timeout_at: float | None = None) -> list[Any]:
         """Every message that arrived since the last call (waits for one); [] once the request
@@ -231,15 +256,7 @@ class PendingMessages:
                 raise self._error
             if self._ended:
                 return False
-            loop = asyncio.get_running_loop()
-            waiter = self._waiter = loop.create_future()
-            try:
-                if timeout_at is None:
-                    await waiter
-                else:
-                    await asyncio.wait_for(waiter, timeout_at - loop.time())
-            finally:
-                self._waiter = None
+            await self._wakeup.wait(timeout_at)
         return True
 
     def _end(self, error: BaseException) -> None:
@@ -248,6 +265,4 @@ class PendingMessages:
             self._wake()
 
     def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wakeup.wake()

@@ -44,6 +44,7 @@ from google.protobuf.message import DecodeError
 
 from protos.auth import check as check_secret
 from protos.limits import MULTIPLEX_READY, MULTIPLEX_STARTS_PER_MESSAGE
+from protos.streams import Wakeup
 from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
 from router import errors
 from router.cluster import cluster_view
@@ -209,7 +210,7 @@ class Multiplexed:
         # (key, request_id, chunk, status, error): a chunk, or a failure when chunk is None
         self._events: list[tuple[int, str, TextChunk | None, grpc.StatusCode | None, str]] = []
         self._written = asyncio.get_running_loop().create_future()   # resolved once the queued events are written
-        self._waiter: asyncio.Future | None = None
+        self._wakeup = Wakeup()   # serve sleeps on it until there are events or the end
         self._reading = True
         self._error: errors.RouterError | None = None
 
@@ -223,8 +224,7 @@ class Multiplexed:
                 if not self._events:
                     if not self._reading and not self._open:
                         return
-                    self._waiter = loop.create_future()
-                    await self._waiter
+                    await self._wakeup.wait()
                     continue
                 events, written = self._events, self._written
                 self._events, self._written = [], loop.create_future()
@@ -271,7 +271,7 @@ class Multiplexed:
             self._error = exc
         finally:
             self._reading = False
-            self._wake()
+            self._wakeup.wake()
 
     def _start(self, start: tandem_pb2.MultiplexStart) -> None:
         key = start.key
@@ -322,7 +322,7 @@ class Multiplexed:
                 async for chunk in chunks:
                     chunk = read_tool_calls(reader, chunk)
                     self._events.append((key, prepared.request_id, chunk, None, ""))
-                    self._wake()
+                    self._wakeup.wake()
                     if chunk.finish_reason:
                         self._forget(key)   # the key is free as soon as its last event is queued
                         return
@@ -337,7 +337,7 @@ class Multiplexed:
     def _fail(self, key: int, code: grpc.StatusCode, error: str) -> None:
         self._events.append((key, "", None, code, error))
         self._forget(key)
-        self._wake()
+        self._wakeup.wake()
 
     def _forget(self, key: int) -> None:
         if self._open.get(key) is asyncio.current_task():
@@ -351,12 +351,7 @@ class Multiplexed:
             # inside (a worker call cancelled under it). The client still hears of it.
             del self._open[key]
             self._events.append((key, "", None, grpc.StatusCode.CANCELLED, "the request was cancelled"))
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self._wakeup.wake()
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

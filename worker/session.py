@@ -12,12 +12,14 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from protos.streams import Wakeup
+
 
 class SessionState:
     def __init__(self) -> None:
         self.reading = True                 # the router has not closed its side yet
         self._reader: asyncio.Task | None = None
-        self._waiter: asyncio.Future | None = None
+        self._wakeup = Wakeup()              # the handler's writer sleeps on it
         self._compiling: set[asyncio.Task] = set()
 
     def read(self, messages: AsyncIterator[Any], handle: Callable[[Any], None]) -> None:
@@ -47,13 +49,11 @@ class SessionState:
         task.add_done_callback(self._compiling.discard)
 
     def wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wakeup.wake()
 
     async def wait(self) -> None:
         """Until the next ``wake()``."""
-        self._waiter = asyncio.get_running_loop().create_future()
-        await self._waiter
+        await self._wakeup.wait()
 
     def check(self) -> None:
         """Re-raise what broke the reader (the stream itself: the handler ends)."""
