@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.attention_cpu import HEAD_DIM, NUM_HEADS, SCALE, load_average, paged_caches, time_ms  # noqa: E402
+from engine import native  # noqa: E402
 from engine.attention import cpu_backend, cpu_kernels, torch_backend  # noqa: E402
 
 # name -> context length per sequence
@@ -50,7 +51,7 @@ def baseline_library(rev: str, tmp: Path) -> ctypes.CDLL:
                             capture_output=True, text=True).stdout
     path = tmp / "paged_attention.c"
     path.write_text(source)
-    lib = ctypes.CDLL(str(cpu_kernels.build(source_path=path)))
+    lib = ctypes.CDLL(str(native.build(path)))
     lib.tandem_paged_decode.argtypes = [ctypes.POINTER(cpu_kernels.Queries), ctypes.POINTER(cpu_kernels.KVCache),
                                         ctypes.POINTER(cpu_kernels.Seqs), ctypes.c_float, ctypes.c_int32]
     if lib.tandem_abi_version() >= 2:  # decode takes partition_tokens
@@ -81,8 +82,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["TANDEM_CACHE_DIR"] = tmp  # private builds, not the user's cache
         base = baseline_library(args.baseline, Path(tmp))
-        new = cpu_kernels.open_library(cpu_kernels.build())
-        no_bf16 = cpu_kernels.open_library(cpu_kernels.build(cflags=(*cpu_kernels.CFLAGS, "-mno-avx512bf16")))
+        new = cpu_kernels.open_library(native.build(cpu_kernels.SOURCE))
+        no_bf16 = cpu_kernels.open_library(native.build(cpu_kernels.SOURCE, cflags=(*native.CFLAGS, "-mno-avx512bf16")))
         base_partition = None if base.tandem_abi_version() < 2 else 0
         variants = {args.baseline: decoder(base, base_partition), "no split": decoder(new, 0),
                     "no bf16 dot": decoder(no_bf16, args.partition_tokens),

@@ -36,9 +36,10 @@ from collections.abc import Sequence
 
 import torch
 
+from engine import native
 from engine.attention import cpu_kernels, torch_backend
-from engine.attention.cpu_kernels import KernelBuildError
 from engine.config import cpu_flags
+from engine.native import KernelBuildError
 
 __all__ = ["KernelBuildError", "decode_attention", "load_kernels", "prefill_attention", "write_kv"]
 
@@ -200,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     except KernelBuildError as e:
         print(f"CPU attention kernels not built: {e}", file=sys.stderr)
         return 1
-    print(f"CPU attention kernels ready: {cpu_kernels.library_path()}")
+    print(f"CPU attention kernels ready: {native.library_path(cpu_kernels.SOURCE)}")
     return 0
 
 

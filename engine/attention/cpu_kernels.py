@@ -1,33 +1,20 @@
-"""Builds and loads the C paged-attention kernels (``engine/csrc/paged_attention.c``) for the CPU backend.
+"""The C paged-attention kernels (``engine/csrc/paged_attention.c``) of the CPU backend: their
+structs, return codes and function declarations, and the library loaded once per process.
 
-Runs in each worker process that uses ``engine.attention.cpu_backend``, on first use. The library
-is compiled with the system C compiler (``$CC``, default ``gcc``) into a per-user cache directory,
-``$TANDEM_CACHE_DIR/kernels`` (default ``~/.cache/tandem/kernels``), under a name keyed by the
-source, the flags, the compiler's version and the host CPU, so any change rebuilds. It is written
-to a temporary file and renamed into place, so workers starting together never load a
-half-written library. Any failure raises :class:`KernelBuildError`, which callers catch to fall
-back to the torch backend.
+Runs in each worker process that uses ``engine.attention.cpu_backend``, on first use; the library
+is compiled by ``engine.native`` (any failure raises its :class:`KernelBuildError`, which callers
+catch to fall back to the torch backend).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shlex
-import subprocess
-import tempfile
-import time
 from functools import lru_cache
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from engine.native import CSRC, KernelBuildError, build
 
-CSRC = Path(__file__).resolve().parent.parent / "csrc"   # every C source and the headers they share
 SOURCE = CSRC / "paged_attention.c"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 ABI_VERSION = 3  # tandem_abi_version() in the C source; bump both when the structs change
-COMPILE_TIMEOUT_S = 120
 
 # C return codes -> what went wrong
 STATUS_MESSAGES = {1: "out of memory", 2: "num_heads is not a multiple of num_kv_heads (or head_dim < 1)",
@@ -35,10 +22,6 @@ STATUS_MESSAGES = {1: "out of memory", 2: "num_heads is not a multiple of num_kv
                    4: "a block table entry is not a block of the cache",
                    5: "not supported here (the AMX prefill kernel needs AMX, bfloat16, head_dim a multiple of 32 "
                       "up to 256 and block_size a multiple of 16)"}
-
-
-class KernelBuildError(RuntimeError):
-    """The C kernels could not be compiled or loaded on this machine."""
 
 
 class KVCache(ctypes.Structure):
@@ -72,95 +55,6 @@ class Seqs(ctypes.Structure):
                 ("num_seqs", ctypes.c_int32)]
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
-    return Path(root) / "kernels"
-
-
-def compiler() -> str:
-    """The C compiler command: $CC (split as a shell would, so ``ccache gcc`` works), else gcc."""
-    return os.environ.get("CC") or "gcc"
-
-
-def _compiler_version(cc: str) -> str:
-    try:
-        proc = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelBuildError(f"cannot run the C compiler CC={cc!r}: {e}; install gcc or set CC, "
-                               "or use --attention-backend torch") from e
-    if proc.returncode != 0:
-        raise KernelBuildError(f"the C compiler CC={cc!r} failed on --version (exit {proc.returncode})"
-                               f"{_stderr_tail(proc)}; install gcc or set CC, or use --attention-backend torch")
-    return proc.stdout
-
-
-def _stderr_tail(proc: subprocess.CompletedProcess) -> str:
-    text = proc.stderr.strip()[-2000:]
-    return f": {text}" if text else ""
-
-
-def _cpu_flags() -> str:
-    """The host CPU's feature flags: -march=native code must not be loaded on another CPU."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def library_path(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path | None = None) -> Path:
-    cc = cc or compiler()
-    source_path = source_path or SOURCE
-    try:
-        source = source_path.read_bytes()
-    except OSError as e:  # e.g. a wheel built without the package's C files
-        raise KernelBuildError(f"kernel source {source_path} is missing: {e}") from e
-    key = hashlib.sha256()
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))
-    for part in (source, headers, " ".join(cflags).encode(), cc.encode(),
-                 _compiler_version(cc).encode(), _cpu_flags().encode()):
-        key.update(part)
-        key.update(b"\0")
-    return cache_dir() / f"{source_path.stem}-{key.hexdigest()[:16]}.so"
-
-
-def build(cc: str | None = None, cflags: tuple[str, ...] = CFLAGS, source_path: Path | None = None) -> Path:
-    """The compiled library's path, compiling it first unless the cache already holds it.
-
-    ``cflags`` other than the default are for tests (e.g. the portable loops without AVX-512).
-    """
-    cc, source_path = cc or compiler(), source_path or SOURCE
-    path = library_path(cc, cflags, source_path)
-    if path.exists():
-        return path
-    started = time.perf_counter()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # A private temporary name in the same directory, renamed over the final one only when
-        # complete: a concurrent builder either sees nothing or a whole library.
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
-        os.close(fd)
-    except OSError as e:
-        raise KernelBuildError(f"cannot write the kernel cache {path.parent}: {e}; set "
-                               "TANDEM_CACHE_DIR to a writable directory") from e
-    try:
-        try:
-            proc = subprocess.run([*shlex.split(cc), *cflags, f"-I{CSRC}", "-o", tmp, str(source_path)],
-                                  capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise KernelBuildError(f"cannot run the C compiler CC={cc!r}: {e}") from e
-        if proc.returncode != 0:
-            raise KernelBuildError(
-                f"compiling {source_path.name} with CC={cc!r} failed (exit {proc.returncode})"
-                f"{_stderr_tail(proc)}; install gcc or set CC, or use --attention-backend torch")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    logger.info("compiled %s into %s in %.1f s", source_path.name, path, time.perf_counter() - started)
-    return path
-
-
 def open_library(path: Path) -> ctypes.CDLL:
     """Load a built library and declare its functions. CDLL (not PyDLL) drops the GIL per call."""
     try:
@@ -184,4 +78,4 @@ def open_library(path: Path) -> ctypes.CDLL:
 @lru_cache(maxsize=1)
 def load() -> ctypes.CDLL:
     """The kernels, built on first use; one library per process (failures are not cached)."""
-    return open_library(build())
+    return open_library(build(SOURCE))

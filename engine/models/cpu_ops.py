@@ -1,7 +1,7 @@
 """Fused elementwise ops of a decoder layer on CPU (``engine/csrc/layer_ops.c``), called through ctypes.
 
 Runs in the engine thread of a CPU worker. Built on first use into the same kernel cache as the
-CPU attention backend (``engine.attention.cpu_kernels.build``). ``load()`` returns None when the
+CPU attention backend (``engine.native.build``). ``load()`` returns None when the
 library cannot be built: the model then keeps its torch ops (same results within rounding).
 A call with at least ``PARALLEL_MIN_TOKENS`` rows (a prefill chunk) splits them over torch's
 threads; a smaller one (a decode step) stays on the calling thread and opens no OpenMP region.
@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from engine.attention.cpu_kernels import CSRC, KernelBuildError, build
+from engine.native import CSRC, KernelBuildError, build
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "layer_ops.c"
@@ -105,7 +105,7 @@ def _threads(num_tokens: int) -> int:
 @lru_cache(maxsize=1)
 def load() -> LayerOps | None:
     try:
-        return LayerOps(ctypes.CDLL(str(build(source_path=SOURCE))))
+        return LayerOps(ctypes.CDLL(str(build(SOURCE))))
     except (KernelBuildError, OSError) as exc:
         logger.warning("fused CPU layer ops unavailable, using torch ops: %s", exc)
         return None

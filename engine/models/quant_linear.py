@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.attention.cpu_kernels import CSRC, KernelBuildError, build, cache_dir
 from engine.gguf_file import QTYPES
+from engine.native import CSRC, KernelBuildError, build, cache_dir
 
 if TYPE_CHECKING:
     from engine.models.layers import PackedLinear
@@ -132,7 +132,7 @@ class _Kernel:
 def load() -> _Kernel | None:
     """The kernel, or None where it cannot be built or has no AVX-512 (dense weights only)."""
     try:
-        kernel = _Kernel(ctypes.CDLL(str(build(source_path=SOURCE))))
+        kernel = _Kernel(ctypes.CDLL(str(build(SOURCE))))
     except (KernelBuildError, OSError) as exc:
         logger.warning("quantized GGUF linears unavailable, decoding with the dense weights: %s", exc)
         return None

@@ -10,10 +10,10 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from engine.attention.cpu_kernels import build
 from engine.loader import Checkpoint, resolve_model
 from engine.models import quant_linear
 from engine.models.quant_linear import QTYPES, QuantizedWeight
+from engine.native import build
 from tests.models import SMOLLM2
 
 pytestmark = pytest.mark.skipif(quant_linear.load() is None, reason="needs AVX-512 and a C compiler")

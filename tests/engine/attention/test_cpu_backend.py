@@ -14,6 +14,7 @@ import zlib
 import pytest
 import torch
 
+from engine import native
 from engine.attention import cpu_backend, cpu_kernels, torch_backend
 from engine.config import ModelConfig
 from engine.model_runner import attention_backend
@@ -407,7 +408,7 @@ def portable_kernels(tmp_path_factory):
     """The kernels built without AVX-512: what a CPU without it runs (built into a private cache)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        path = cpu_kernels.build(cflags=(*cpu_kernels.CFLAGS, "-mno-avx512f"))
+        path = native.build(cpu_kernels.SOURCE, cflags=(*native.CFLAGS, "-mno-avx512f"))
     return cpu_kernels.open_library(path)
 
 
@@ -416,7 +417,7 @@ def no_bf16_kernels(tmp_path_factory):
     """The kernels built with AVX-512 but without AVX512-BF16: float32 products from bfloat16."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TANDEM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        path = cpu_kernels.build(cflags=(*cpu_kernels.CFLAGS, "-mno-avx512bf16"))
+        path = native.build(cpu_kernels.SOURCE, cflags=(*native.CFLAGS, "-mno-avx512bf16"))
     return cpu_kernels.open_library(path)
 
 
