@@ -82,7 +82,12 @@ class Wakeup:
 class SessionStream:
     """One peer's stream: batches what is started and aborted per turn of the loop, reads the
     answers on a task, and fails everything open when the stream breaks. Subclasses name the
-    messages and route each answer to its request."""
+    messages and route each answer to its request.
+
+    "Session" is Tandem's one word for a long-lived stream that carries many requests: the
+    workers' ``Session`` RPC (worker.proto), whose router end this is (router/session.py) and
+    whose worker end is worker/session.py; the SDK's ``Multiplex`` stream is one too, under its
+    public RPC name, so it subclasses this under the same name."""
 
     keyed = False                       # answers name their request by .key (else .request_id)
     closed_reason = "was removed"       # why requests fail after close()

@@ -189,6 +189,8 @@ class Dispatcher:
         ``abandon`` if that never runs."""
         progress = _Progress(list(prompt_token_ids),
                              sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS)
+        # The workers' id: the client's label made unique (clients may reuse theirs), never shown to
+        # the client; Frontend.new_request_id makes a label only for a client that gave none.
         internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{os.urandom(8).hex()}"
         logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
         first = self._start(internal_id, progress, sampling, set())

@@ -82,7 +82,9 @@ class Frontend:
     @staticmethod
     def new_request_id() -> str:
         """The id of a request whose client gave none: 96 random bits (half a microsecond), so
-        no one guesses another client's id from their own."""
+        no one guesses another client's id from their own. It stays apart from the workers' id
+        (``Dispatcher.open``): this one is the client's, shown to it; that one is made from any
+        client's id, given or made here, since a client may reuse its own."""
         return os.urandom(12).hex()
 
     def check_model(self, model: str) -> None:

@@ -16,6 +16,8 @@ from protos.streams import Wakeup
 
 
 class SessionState:
+    """A worker's end of one Session stream (the router's end: router/session.py's ``WorkerSession``)."""
+
     def __init__(self) -> None:
         self.reading = True                 # the router has not closed its side yet
         self._reader: asyncio.Task | None = None
