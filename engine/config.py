@@ -174,7 +174,8 @@ class SchedulerConfig:
     """Continuous-batching limits (docs/architecture.md#scheduling-and-its-knobs)."""
 
     max_num_seqs: int = flag(64, "decode batch cap")
-    chunked_prefill_size: int = flag(0, f"prefill tokens per step (0 = auto: {CPU_CHUNKED_PREFILL_SIZE} on CPU, "
+    chunked_prefill_size: int = flag(0, f"tokens per step, decodes included; prefill chunks fill the rest, at least "
+                                     f"a quarter (0 = auto: {CPU_CHUNKED_PREFILL_SIZE} on CPU, "
                                      f"{CUDA_CHUNKED_PREFILL_SIZE} on CUDA)")
     schedule_policy: str = flag("fcfs", "fcfs or lpm (longest prefix match first)")
     schedule_conservativeness: float = flag(1.0, "scales the future-token room reserved for running requests")

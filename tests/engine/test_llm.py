@@ -154,11 +154,12 @@ def test_chunked_prefill_shares_steps_with_decodes(model_dir, hf, make_llm):
     short, long = random_prompt(seed=7, num_tokens=5), random_prompt(seed=8, num_tokens=30)
     outs = llm.generate([short, long], [greedy(10), greedy(6)])
     rid_short, rid_long = (o.request_id for o in outs)
+    # a step holds 8 tokens, its decode included: the long prompt's chunks fill the other 7
     assert batches[:5] == [([(rid_short, 5), (rid_long, 3)], []),
-                           ([(rid_long, 8)], [rid_short]),
-                           ([(rid_long, 8)], [rid_short]),
-                           ([(rid_long, 8)], [rid_short]),
-                           ([(rid_long, 3)], [rid_short])]
+                           ([(rid_long, 7)], [rid_short]),
+                           ([(rid_long, 7)], [rid_short]),
+                           ([(rid_long, 7)], [rid_short]),
+                           ([(rid_long, 6)], [rid_short])]
     assert outs[0].token_ids == hf_greedy(hf, short, 10)
     assert outs[1].token_ids == hf_greedy(hf, long, 6)
 

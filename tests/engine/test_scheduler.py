@@ -60,6 +60,22 @@ def running_seq(scheduler: Scheduler, request_id: str, prompt_len: int, num_outp
 
 # -- chunked prefill ----------------------------------------------------------------------------
 
+def test_a_steps_budget_counts_its_decodes_and_leaves_prefill_at_least_a_quarter():
+    """chunked_prefill_size bounds a step's tokens, decodes included (a busy step stays at the row
+    count it was tuned for); with more decodes than that, prefill still gets a quarter."""
+    scheduler = make_scheduler(num_blocks=200, block_size=16, chunked_prefill_size=64)
+    for i in range(10):
+        running_seq(scheduler, f"d{i}", prompt_len=20, num_output=1)
+    scheduler.add(make_seq("long", 300))
+    batch = step(scheduler)
+    assert len(batch.decodes) == 10 and batch.prefills == [(scheduler.running[-1], 54)]
+    for i in range(10, 70):
+        running_seq(scheduler, f"d{i}", prompt_len=20, num_output=1)
+    batch = step(scheduler)
+    assert len(batch.decodes) == 70 and [n for _, n in batch.prefills] == [16]   # 64 // 4
+
+
+
 def test_chunked_prefill_splits_a_40_token_prompt_into_8_token_chunks():
     scheduler = make_scheduler(num_blocks=8, block_size=16, chunked_prefill_size=8)
     seq = make_seq("a", 40)
