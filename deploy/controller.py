@@ -82,6 +82,9 @@ ROUTER_RETRY_S = 5.0                # a router that could not be restarted is tr
 # hosts on a 2-core node. The router sees a worker die at once (its session breaks) and fails
 # its requests over; this check only decides the restart.
 LIVENESS_CHECK_S = 2.0
+# A draining replica the router still routes to is told again after this: the first call (10 s deadline) may
+# have been lost on a loaded router.
+DRAIN_ASK_AGAIN_S = 15.0
 TICKS_KEPT = 120                    # reconcile ticks whose wall time status reports (a minute of them)
 
 
@@ -223,6 +226,15 @@ class Replica:
     up_since: float = 0.0
     ever_ready: bool = False
     busy: bool = False            # a start thread owns it
+    drain_asked_s: float = 0.0    # monotonic time the router was last told to drain it
+
+
+def drain_lost(r: Replica, seen: Any, now: float) -> bool:
+    """Whether to tell the router again to drain ``r``, which the controller drains: the router
+    lists it (``seen``, its GetCluster entry) as not draining, ``DRAIN_ASK_AGAIN_S`` after the last
+    call. That call was lost (at 64 workers under load the router's answer missed its 10 s deadline
+    for 15 of 16 drains), and a replica the router still routes to never empties."""
+    return seen is not None and not seen.draining and now - r.drain_asked_s >= DRAIN_ASK_AGAIN_S
 
 
 def drain_order(live: list[Replica], view: dict[str, Any] | None) -> list[Replica]:
@@ -674,6 +686,7 @@ class Controller:
                         seen = (loads or {}).get(r.address)
                         logger.info("draining %s worker %s at %s%s", r.role, r.id, r.address,
                                     f" ({seen.num_running} running, {seen.num_inflight} in flight)" if seen else "")
+                        r.drain_asked_s = now
                         threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
                     elif not r.busy:
                         self._drop(r)
@@ -693,6 +706,11 @@ class Controller:
             return
         for r in draining:
             seen = view.get(r.address)
+            if drain_lost(r, seen, now):
+                logger.info("%s is draining but the router still routes to it: asking again", r.id)
+                r.drain_asked_s = now
+                threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
+                continue                  # stopped only once the router routes nothing new to it
             if seen is not None and seen.num_inflight:
                 continue
             logger.info("%s drained; stopping it", r.id)

@@ -152,6 +152,20 @@ def test_a_scale_down_drains_what_does_not_serve_then_the_emptiest_running_repli
     assert [r.id for r in drain_order(live, None)] == ["decode-3", "decode-2", "decode-1", "decode-0"]
 
 
+def test_a_drain_the_router_did_not_take_is_asked_again():
+    from types import SimpleNamespace
+
+    from deploy.controller import DRAIN_ASK_AGAIN_S, drain_lost
+
+    r = Replica("decode-1", "decode", 1, state="draining", address="d:1", drain_asked_s=100.0)
+    routed, draining = SimpleNamespace(draining=False), SimpleNamespace(draining=True)
+    # The router still routes to it: asked again once the last call is DRAIN_ASK_AGAIN_S old.
+    assert not drain_lost(r, routed, 100.0 + DRAIN_ASK_AGAIN_S - 1)
+    assert drain_lost(r, routed, 100.0 + DRAIN_ASK_AGAIN_S)
+    # The router drains it, or no longer lists it (_sync_router registers and drains those).
+    assert not drain_lost(r, draining, 1000.0) and not drain_lost(r, None, 1000.0)
+
+
 def test_serve_forwards_the_public_api_flags_that_differ_from_the_defaults():
     from router.__main__ import parse_args as router_args
     from router.config import public_api_flags
