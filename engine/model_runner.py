@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -111,6 +112,10 @@ def attention_backend(config: ModelConfig, device: torch.device) -> ModuleType:
             logger.warning("CPU attention kernels unavailable, using the slower torch backend: %s", e)
     from engine.attention import torch_backend
     return torch_backend
+
+
+def _from_cache(path: Path | None) -> str:
+    return f"; timed earlier, from {path} (delete it to time again)" if path is not None else ""
 
 
 class ModelRunner:
@@ -216,7 +221,9 @@ class ModelRunner:
         AMX kernel on the row-major bf16 weights (``PackedLinear.rows``), then the GGUF blocks
         (against whichever of the two dense paths won). Once, on the calling thread with its
         torch threads: the first step calls it, so it times the thread (and OpenMP team) that
-        runs the steps; a worker calls it on its engine thread before it says it is ready. Timed
+        runs the steps; a worker calls it on its engine thread before it says it is ready. Each
+        answer is kept in the tuning cache (``quant_linear.tuned_max_batch``): a worker that
+        starts again on this machine with the same model, dtype and threads reads it. Timed
         where a worker builds its engine, on one thread (worker/loop.py), the compute-bound
         blocks lost to the cache-bound dense weights even at batch 1 (SmolLM2 on 2 cores: 36.6
         vs 27.4 ms), so served decode never read them."""
@@ -226,23 +233,21 @@ class ModelRunner:
         threads = torch.get_num_threads()
         rows = [m for m in self.model.modules() if isinstance(m, PackedLinear) and m.rows is not None]
         if rows:
-            with quant_linear.measuring_alone():
-                max_batch, timings = quant_linear.measure_max_batch(
-                    rows, self.dtype, candidate=lambda lin, x: lin.rows_forward(x))
+            max_batch, timings, cached = quant_linear.tuned_max_batch(
+                "amx-rows", rows, self.dtype, candidate=lambda lin, x: lin.rows_forward(x))
             measured = ", ".join(f"batch {b}: {a:.1f} vs {d:.1f} ms" for b, (a, d) in timings.items())
             for lin in rows:
                 lin.rows_max_batch = max_batch
                 if max_batch == 0:
                     lin.rows = None   # slower even at batch 1: do not keep a second copy
-            logger.info("AMX bf16 rows: %s (%d threads; AMX rows vs oneDNN packed, %d linears: %s)",
+            logger.info("AMX bf16 rows: %s (%d threads; AMX rows vs oneDNN packed, %d linears: %s)%s",
                         f"steps of up to {max_batch} tokens" if max_batch else "not used", threads, len(rows),
-                        measured)
+                        measured, _from_cache(cached))
         linears, self._untuned = self._untuned, []
         if not linears:
             return
-        with quant_linear.measuring_alone():
-            max_batch, timings = quant_linear.measure_max_batch(
-                linears, self.dtype, baseline=lambda lin, x: lin.unquantized_forward(x))
+        max_batch, timings, cached = quant_linear.tuned_max_batch(
+            "gguf-blocks", linears, self.dtype, baseline=lambda lin, x: lin.unquantized_forward(x))
         measured = ", ".join(f"batch {b}: {q:.1f} vs {d:.1f} ms" for b, (q, d) in timings.items())
         blocks = [lin.quant for lin in linears if lin.quant is not None]   # every one: attach_quantized set them
         types = ", ".join(sorted({quant.name for quant in blocks}))
@@ -250,17 +255,17 @@ class ModelRunner:
             for lin in linears:
                 lin.quant = None   # slower here even at batch 1: keep only the dense weights
             logger.info("GGUF %s blocks: not used, the dense weights were faster (%d threads; quantized vs dense, "
-                        "%d linears: %s)", types, threads, len(linears), measured)
+                        "%d linears: %s)%s", types, threads, len(linears), measured, _from_cache(cached))
             return
         for lin in linears:
             lin.quant_max_batch = max_batch
             if lin.rows is not None and lin.rows_max_batch <= max_batch:
                 lin.rows, lin.rows_max_batch = None, 0   # the blocks cover every step the rows would
         logger.info("GGUF %s blocks: steps of up to %d tokens read %d linears' quantized weights (%.0f MB "
-                    "beside %.0f MB dense; %d threads; quantized vs dense: %s)", types, max_batch, len(linears),
+                    "beside %.0f MB dense; %d threads; quantized vs dense: %s)%s", types, max_batch, len(linears),
                     sum(quant.data.numel() for quant in blocks) / 1e6,
                     sum(lin.in_features * lin.out_features for lin in linears) * self.dtype.itemsize / 1e6,
-                    threads, measured)
+                    threads, measured, _from_cache(cached))
 
     def _num_kv_blocks(self, cache_config: CacheConfig, max_num_batched_tokens: int) -> int:
         if cache_config.num_gpu_blocks_override is not None:

@@ -8,17 +8,25 @@ the quantized blocks (``QuantizedWeight``) and, for inputs of at most ``max_batc
 the C kernel, which dequantizes each block in registers to the same float32 values the dense
 weights hold. ``measure_max_batch`` picks ``max_batch`` on this machine at load: the largest
 tested batch at which the blocks were faster than the dense weights for the model's own linears.
+``tuned_max_batch`` keeps each answer in ``$TANDEM_CACHE_DIR/tuning`` (default
+``~/.cache/tandem/tuning``), keyed by everything the timing depends on, so a worker that starts
+again (a restart after a crash, a scale-up, the next ``tandem serve``) does not time it again.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import fcntl
+import hashlib
+import json
 import logging
+import os
+import platform
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -178,6 +186,56 @@ def measuring_alone() -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def tuning_dir() -> Path:
+    return cache_dir().parent / "tuning"
+
+
+def _tuning_key(kind: str, linears: list[PackedLinear], dtype: torch.dtype) -> str:
+    """What the timing depends on: the kernel library (its name hashes the C source, the flags,
+    the compiler and this CPU's feature flags), torch (oneDNN, the dense path), the thread count,
+    the dtype, and the linears' shapes, block types and AMX rows choice (the GGUF blocks are timed
+    against whichever dense path that left)."""
+    shapes = [(lin.in_features, lin.out_features, lin.bias is not None, lin.quant.qtype if lin.quant else None,
+               lin.rows_max_batch if lin.rows is not None else -1) for lin in linears]
+    parts = [kind, build(SOURCE).name, torch.__version__, torch.get_num_threads(), str(dtype),
+             platform.processor() or platform.machine(), TUNE_BATCHES, TUNE_DENSE_BYTES, shapes]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+def _read_tuning(path: Path) -> tuple[int, dict[int, tuple[float, float]]] | None:
+    try:
+        entry = json.loads(path.read_text())
+        return int(entry["max_batch"]), {int(b): (float(c), float(d)) for b, (c, d) in entry["timings"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None   # absent, or not what this version writes: time again
+
+
+def tuned_max_batch(kind: str, linears: list[PackedLinear], dtype: torch.dtype,
+                    candidate: Callable[[PackedLinear, torch.Tensor], torch.Tensor] | None = None,
+                    baseline: Callable[[PackedLinear, torch.Tensor], torch.Tensor] | None = None
+                    ) -> tuple[int, dict[int, tuple[float, float]], Path | None]:
+    """``measure_max_batch``'s answer, timed alone on this node (``measuring_alone``) the
+    first time and read from the tuning cache after that. Returns it with the cache file it
+    came from (None when timed now). Workers starting together: the first times it, the
+    others wait for the lock and read its answer."""
+    path = tuning_dir() / f"{kind}-{_tuning_key(kind, linears, dtype)}.json"
+    if (found := _read_tuning(path)) is not None:
+        return (*found, path)
+    with measuring_alone():
+        if (found := _read_tuning(path)) is not None:
+            return (*found, path)
+        max_batch, timings = measure_max_batch(linears, dtype, candidate=candidate, baseline=baseline)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps({"max_batch": max_batch, "timings": timings,
+                                   "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))
+        tmp.replace(path)   # whole or absent for a reader
+    except OSError as exc:
+        logger.warning("tuning cache %s not written (%s): the next start times the linears again", path, exc)
+    return max_batch, timings, None
 
 
 def measure_max_batch(linears: list[PackedLinear], dtype: torch.dtype, batches: tuple[int, ...] = TUNE_BATCHES,

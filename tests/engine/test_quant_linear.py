@@ -261,7 +261,7 @@ def test_types_table_matches_gguf():
         assert GGML_QUANT_SIZES[GGMLQuantizationType(qtype)] == (weights, nbytes)
 
 
-def test_the_block_kernels_are_timed_on_the_thread_that_steps(smollm2_checkpoint, monkeypatch):
+def test_the_block_kernels_are_timed_on_the_thread_that_steps(smollm2_checkpoint, monkeypatch, tmp_path):
     """A worker builds its engine on one torch thread and steps on an engine thread with N
     (worker/loop.py). Timing the GGUF blocks against the dense weights at build time measured the
     wrong thread count (on 2 cores the compute-bound blocks lost to the cache-bound dense weights
@@ -279,6 +279,7 @@ def test_the_block_kernels_are_timed_on_the_thread_that_steps(smollm2_checkpoint
         return 4, {1: (1.0, 2.0), 4: (1.0, 2.0)}
 
     monkeypatch.setattr(quant_linear, "measure_max_batch", measure)
+    monkeypatch.setattr(quant_linear, "tuning_dir", lambda: tmp_path)   # nothing timed earlier
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # as worker/process.py builds
     try:
@@ -306,6 +307,44 @@ def test_the_block_kernels_are_timed_on_the_thread_that_steps(smollm2_checkpoint
         assert len(timed) == 1
     finally:
         llm.close()
+
+
+def test_a_restart_reads_the_timing_from_the_tuning_cache(monkeypatch, tmp_path):
+    """A worker that starts again (after a crash, a scale-up, the next ``tandem serve``) reads
+    what the first start timed instead of timing it again (~5 s for SmolLM2 in float32 on 2
+    cores, with the workers of a node taking turns). Anything the timing depends on, here the
+    thread count or the shapes, times it again; so does an unreadable cache file."""
+    from engine.models.layers import PackedLinear
+
+    calls: list[int] = []
+
+    def measure(linears, dtype, *args, **kwargs):
+        calls.append(len(linears))
+        return 4, {1: (1.0, 2.0), 4: (1.5, 2.5), 16: (3.0, 2.0)}
+
+    monkeypatch.setattr(quant_linear, "measure_max_batch", measure)
+    monkeypatch.setattr(quant_linear, "tuning_dir", lambda: tmp_path / "tuning")
+    linears = [PackedLinear(torch.zeros(64, 32), None), PackedLinear(torch.zeros(32, 64), None)]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        first = quant_linear.tuned_max_batch("gguf-blocks", linears, torch.float32)
+        assert first == (4, {1: (1.0, 2.0), 4: (1.5, 2.5), 16: (3.0, 2.0)}, None) and calls == [2]
+        again = quant_linear.tuned_max_batch("gguf-blocks", linears, torch.float32)
+        assert again[:2] == first[:2] and again[2] is not None and calls == [2]   # read, not timed
+        assert again[2].parent == tmp_path / "tuning"
+
+        assert quant_linear.tuned_max_batch("gguf-blocks", linears[:1], torch.float32)[2] is None   # shapes
+        assert quant_linear.tuned_max_batch("amx-rows", linears, torch.float32)[2] is None          # what is timed
+        torch.set_num_threads(2)
+        assert quant_linear.tuned_max_batch("gguf-blocks", linears, torch.float32)[2] is None       # threads
+        assert len(calls) == 4
+        torch.set_num_threads(1)
+        again[2].write_text("{not json")
+        assert quant_linear.tuned_max_batch("gguf-blocks", linears, torch.float32)[2] is None       # timed again
+        assert len(calls) == 5 and quant_linear.tuned_max_batch("gguf-blocks", linears, torch.float32)[2]
+    finally:
+        torch.set_num_threads(threads)
 
 
 amx_only = pytest.mark.skipif(not _cpu_has_amx_bf16(), reason="the AMX rows kernel needs a CPU with AMX (and bf16)")
