@@ -10,6 +10,7 @@ Prints one JSON object: for each door, [refused, what happened].
 """
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import subprocess
@@ -34,13 +35,20 @@ print("CONNECTED: nodes", len(ray.nodes()))
 """
 
 
-def ray_init(address: str, env: dict[str, str]) -> tuple[bool, str]:
+def ray_init(address: str, env: dict[str, str]) -> subprocess.Popen:
+    """A ``ray.init`` from this machine, started (``ray_refused`` takes its answer): the three Ray
+    knocks run side by side, a refused one taking 20-30 s."""
+    return subprocess.Popen([sys.executable, "-c", RAY_INIT, address], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+
+
+def ray_refused(proc: subprocess.Popen, deadline: float) -> tuple[bool, str]:
     try:
-        done = subprocess.run([sys.executable, "-c", RAY_INIT, address], capture_output=True, text=True,
-                              timeout=90, env={**os.environ, **env})
+        stdout, stderr = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+        proc.kill()
         return True, "no answer within 90 s"
-    out = (done.stdout.strip().splitlines() or [done.stderr.strip()[-300:]])[-1]
+    out = (stdout.strip().splitlines() or [stderr.strip()[-300:]])[-1]
     return not out.startswith("CONNECTED"), out
 
 
@@ -92,12 +100,15 @@ def kvtransfer_plain(address: str) -> tuple[bool, str]:
     return True, f"no handshake ({', '.join(events) or 'no events'})"
 
 
-def main() -> int:
+def main() -> None:
     doors = json.loads(sys.argv[1])
+    # A knock that hangs shows where, and ends this process before the test's own timeout (300 s).
+    faulthandler.dump_traceback_later(240, exit=True)
+    rays = {"ray_gcs": ray_init(doors["ray_gcs"], {"RAY_AUTH_MODE": "disabled"}),
+            "ray_gcs_wrong_token": ray_init(doors["ray_gcs"], {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}),
+            "ray_client": ray_init(f"ray://{doors['ray_client']}", {"RAY_AUTH_MODE": "disabled"})}
+    ray_deadline = time.monotonic() + 90
     results = {
-        "ray_gcs": ray_init(doors["ray_gcs"], {"RAY_AUTH_MODE": "disabled"}),
-        "ray_gcs_wrong_token": ray_init(doors["ray_gcs"], {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64}),
-        "ray_client": ray_init(f"ray://{doors['ray_client']}", {"RAY_AUTH_MODE": "disabled"}),
         "ray_dashboard": dashboard(doors["ray_dashboard"]),
         "prefill_grpc": grpc_call(doors["prefill_grpc"], worker_pb2_grpc.PrefillWorkerStub, "Stats",
                                   worker_pb2.StatsRequest()),
@@ -109,9 +120,13 @@ def main() -> int:
     }
     kv = [kvtransfer_plain(address) for address in doors["kvtransfer"]]
     results["kvtransfer_plain"] = (all(refused for refused, _ in kv), "; ".join(why for _, why in kv))
-    print(json.dumps(results))
-    return 0
+    results.update({name: ray_refused(proc, ray_deadline) for name, proc in rays.items()})
+    print(json.dumps(results), flush=True)
+    # Out without the interpreter's shutdown (pyzmq's and gRPC's exit hooks): this process hung
+    # past the test's 300 s timeout in 3 of 4 runs one evening, with no child left; where was not
+    # caught (the faulthandler dump above now shows it if it is before this line).
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
