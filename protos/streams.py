@@ -105,6 +105,7 @@ class SessionStream:
         self._starts: list[Any] = []         # what the writer sends next
         self._aborts: list[Any] = []
         self._writer_idle = Wakeup()          # the writer waits on it for work
+        self._writer: asyncio.Task | None = None   # the open call's writer (one of _tasks)
         self._tasks: list[asyncio.Task] = []
         self._closed = False
 
@@ -162,7 +163,8 @@ class SessionStream:
     def _open(self) -> None:
         call = self._call = self._new_call()
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._write(call)), loop.create_task(self._read(call))]
+        self._writer = loop.create_task(self._write(call))
+        self._tasks = [self._writer, loop.create_task(self._read(call))]
 
     def _messages(self, starts: list[Any], aborts: list[Any]) -> list[Any]:
         """``starts`` and ``aborts`` as messages: one, or several when the prompts add up to
@@ -220,7 +222,12 @@ class SessionStream:
     def _broken(self, error: grpc.aio.AioRpcError) -> None:
         """The stream is gone: fail every open request with ``error``; the next request reopens."""
         call, self._call = self._call, None
-        self._writer_idle.wake()   # it sees the stream gone and ends
+        # The writer has nothing left to send, so it ends now. It may be inside call.write:
+        # grpc's write first waits until the call's headers went out, and a call cancelled before
+        # its connection came up (a peer just killed, or frozen) never sends them nor wakes that
+        # wait, so without this close() would wait for it forever (tests/router/test_session_close.py).
+        if self._writer is not None:
+            self._writer.cancel()
         if call is not None:
             call.cancel()
         open_requests, self._open_requests = self._open_requests, {}
