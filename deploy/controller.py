@@ -85,6 +85,10 @@ LIVENESS_CHECK_S = 2.0
 # A draining replica the router still routes to is told again after this: the first call (10 s deadline) may
 # have been lost on a loaded router.
 DRAIN_ASK_AGAIN_S = 15.0
+# What a call to the router raises when it does not answer: an RPC error; RuntimeError while no
+# router runs; ValueError ("Cannot invoke RPC on closed channel") when the reconcile thread restarted
+# the router and closed the channel under a call from another thread (`tandem status` failed so).
+ROUTER_CALL_ERRORS = (grpc.RpcError, RuntimeError, ValueError)
 TICKS_KEPT = 120                    # reconcile ticks whose wall time status reports (a minute of them)
 
 
@@ -551,7 +555,7 @@ class Controller:
         try:
             self._admin_stub().DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=r.address, drain=drain),
                                                 timeout=10.0, wait_for_ready=True)
-        except (grpc.RpcError, RuntimeError) as exc:
+        except ROUTER_CALL_ERRORS as exc:
             logger.warning("could not deregister %s from the router: %s", r.id, exc)
 
     def _router_view(self, timeout_s: float = 5.0, wait: bool = True) -> dict[str, Any] | None:
@@ -560,7 +564,7 @@ class Controller:
             return {w.address: w for w in self._router_stub().GetCluster(
                 tandem_pb2.GetClusterRequest(), timeout=timeout_s, metadata=self._metadata(),
                 wait_for_ready=wait).workers}
-        except (grpc.RpcError, RuntimeError):
+        except ROUTER_CALL_ERRORS:
             return None
 
     # -- reconcile loop ----------------------------------------------------------------------

@@ -272,3 +272,20 @@ def test_replicas_that_can_never_be_placed_are_named_with_the_flag_to_change():
         "1 prefill + 2 decode workers (6 ranks with TP) need 6 GPUs; this Ray cluster has 4: use fewer workers or "
         "add GPU nodes")
     assert placement_shortfall(gpu, {"prefill": 1, "decode": 1}, {"CPU": 64.0, "GPU": 4.0}) == ""
+
+
+def test_a_router_call_on_a_channel_closed_by_a_restart_counts_as_no_answer():
+    """The reconcile thread restarts a dead router and closes the old channel while another thread
+    (`tandem status`, a scale) may be calling on it: grpc then raises ValueError, not an RpcError,
+    and `tandem status` failed with it in a chaos soak. The controller's router calls treat it as
+    "the router did not answer"."""
+    import grpc
+
+    from deploy.controller import ROUTER_CALL_ERRORS
+    from protos.tandem.v1 import tandem_pb2, tandem_pb2_grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:1")
+    stub = tandem_pb2_grpc.TandemStub(channel)
+    channel.close()
+    with pytest.raises(ROUTER_CALL_ERRORS):
+        stub.GetCluster(tandem_pb2.GetClusterRequest(), timeout=1.0)
