@@ -10,7 +10,8 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
   a child (dies with the actor: PR_SET_PDEATHSIG) and reports its ready line and exit code;
 - a new replica is registered with the router (Admin.RegisterWorker) once all its ranks are ready
   and counts as *running* once the router's heartbeat found it healthy: it takes traffic only then;
-- scale-down drains (Admin.DeregisterWorker drain=true: no new requests), waits until the router has
+- scale-down drains (Admin.DrainWorkers, one call for the replicas one reconcile drains: no new
+  requests), waits until the router has
   no request in flight on the replica, then removes it and stops its processes; of the running
   replicas it drains the emptiest (``drain_order``: fewest streams running, by the router's view),
   and the router moves a drained decode worker's requests that have no first token yet elsewhere;
@@ -549,14 +550,26 @@ class Controller:
         self._admin_stub().RegisterWorker(admin_pb2.RegisterWorkerRequest(role=r.role, address=r.address),
                                           timeout=10.0, wait_for_ready=True)
 
-    def _deregister(self, r: Replica, drain: bool = False) -> None:
+    def _deregister(self, r: Replica) -> None:
         if not r.address:
             return
         try:
-            self._admin_stub().DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=r.address, drain=drain),
+            self._admin_stub().DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=r.address),
                                                 timeout=10.0, wait_for_ready=True)
         except ROUTER_CALL_ERRORS as exc:
             logger.warning("could not deregister %s from the router: %s", r.id, exc)
+
+    def _drain(self, replicas: list[Replica]) -> None:
+        """Tell the router to drain these replicas, in one call: a scale-down's drains are marked
+        together, so the requests the router moves off one never land on another."""
+        addresses = [r.address for r in replicas if r.address]
+        if not addresses:
+            return
+        try:
+            self._admin_stub().DrainWorkers(admin_pb2.DrainWorkersRequest(addresses=addresses),
+                                            timeout=10.0, wait_for_ready=True)
+        except ROUTER_CALL_ERRORS as exc:
+            logger.warning("could not drain %s at the router: %s", ", ".join(r.id for r in replicas), exc)
 
     def _router_view(self, timeout_s: float = 5.0, wait: bool = True) -> dict[str, Any] | None:
         """The router's workers by address; None when it does not answer."""
@@ -633,8 +646,7 @@ class Controller:
         for r in missing:
             logger.info("registering %s worker %s at %s with the router again", r.role, r.id, r.address)
             self._register(r)
-            if r.state == "draining":
-                self._deregister(r, drain=True)
+        self._drain([r for r in missing if r.state == "draining"])
 
     def _check_replicas(self) -> None:
         """Restart (or, draining, drop) a replica one of whose ranks exited. Every host is asked
@@ -676,6 +688,7 @@ class Controller:
                             for role in ROLES)
         # A running replica to drain: the emptiest, by the router's view (outside the lock: an RPC).
         loads = self._router_view(timeout_s=2.0, wait=False) if shrinking else None
+        to_drain: list[Replica] = []
         with self._lock:
             for role in ROLES:
                 live = [r for r in self.replicas if r.role == role and r.state != "draining"]
@@ -691,7 +704,7 @@ class Controller:
                         logger.info("draining %s worker %s at %s%s", r.role, r.id, r.address,
                                     f" ({seen.num_running} running, {seen.num_inflight} in flight)" if seen else "")
                         r.drain_asked_s = now
-                        threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
+                        to_drain.append(r)
                     elif not r.busy:
                         self._drop(r)
                         threading.Thread(target=self._stop_replica, args=(r,), daemon=True).start()
@@ -704,16 +717,21 @@ class Controller:
             draining = [r for r in self.replicas if r.state == "draining" and not r.busy]
         for r in to_start:
             threading.Thread(target=self._start_replica, args=(r,), name=f"start-{r.id}", daemon=True).start()
+        if to_drain:
+            threading.Thread(target=self._drain, args=(to_drain,), daemon=True).start()
         if draining:
             view = self._router_view()
         if view is None:
             return
+        lost = [r for r in draining if drain_lost(r, view.get(r.address), now)]
+        if lost:
+            logger.info("%s draining but the router still routes to them: asking again", ", ".join(r.id for r in lost))
+            for r in lost:
+                r.drain_asked_s = now
+            threading.Thread(target=self._drain, args=(lost,), daemon=True).start()
         for r in draining:
             seen = view.get(r.address)
-            if drain_lost(r, seen, now):
-                logger.info("%s is draining but the router still routes to it: asking again", r.id)
-                r.drain_asked_s = now
-                threading.Thread(target=self._deregister, args=(r, True), daemon=True).start()
+            if r in lost:
                 continue                  # stopped only once the router routes nothing new to it
             if seen is not None and seen.num_inflight:
                 continue

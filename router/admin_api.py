@@ -1,7 +1,7 @@
 """The router's admin service tandem.v1.Admin (router process): membership for the controller.
 
-RegisterWorker / DeregisterWorker (remove, or drain with ``drain=true``) change which workers
-take requests, so they are not on the public tandem.v1.Tandem service that tenants call: this
+RegisterWorker / DeregisterWorker (remove) / DrainWorkers (scale-down) change which workers take
+requests, so they are not on the public tandem.v1.Tandem service that tenants call: this
 service shares the router's gRPC port but every call needs the deployment's cluster secret
 (``protos.auth.SecretInterceptor``, installed by router/server.py); a tenant's API key is not
 enough.
@@ -38,7 +38,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.RegisterWorkerResponse()
 
     async def DeregisterWorker(self, request: admin_pb2.DeregisterWorkerRequest, context: grpc.aio.ServicerContext):
-        if request.drain:
-            return admin_pb2.DeregisterWorkerResponse(found=self.registry.drain(request.address))
         found = await self.registry.remove(request.address, "deregistered by the admin service")
         return admin_pb2.DeregisterWorkerResponse(found=found)
+
+    async def DrainWorkers(self, request: admin_pb2.DrainWorkersRequest, context: grpc.aio.ServicerContext):
+        return admin_pb2.DrainWorkersResponse(found=self.registry.drain(list(request.addresses)))

@@ -152,17 +152,21 @@ class WorkerRegistry:
         self._changed.set()
         return True
 
-    def drain(self, address: str) -> bool:
-        """Stop routing new requests to a worker; its in-flight ones go on (scale-down)."""
-        worker = self._workers.get(address)
-        if worker is None:
-            return False
-        if not worker.draining:
+    def drain(self, addresses: list[str]) -> list[str]:
+        """Stop routing new requests to these workers; their in-flight ones go on (scale-down).
+        All are marked before any listener runs: a request a listener moves off one of them must
+        not land on another (one at a time, a scale-down by 16 moved some requests 4 times and
+        failed them). Returns the addresses known."""
+        known = [self._workers[a] for a in dict.fromkeys(addresses) if a in self._workers]
+        new = [w for w in known if not w.draining]
+        for worker in new:
             worker.draining = True
-            logger.info("draining %s worker %s (%d requests in flight)", worker.role, address, worker.num_inflight)
+            logger.info("draining %s worker %s (%d requests in flight)", worker.role, worker.address,
+                        worker.num_inflight)
+        for worker in new:
             for listener in self._drain_listeners:
                 listener(worker)
-        return True
+        return [w.address for w in known]
 
     # -- load: the dispatcher's requests on each worker -------------------------------------
 

@@ -55,8 +55,7 @@ def test_admin_calls_without_the_cluster_secret_are_permission_denied(loop_threa
         known = cluster.decodes[0].address
         calls = [admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="decode", address=extra.address),
                                       metadata=metadata),
-                 admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=known, drain=True),
-                                        metadata=metadata),
+                 admin.DrainWorkers(admin_pb2.DrainWorkersRequest(addresses=[known]), metadata=metadata),
                  admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=known), metadata=metadata)]
         for call in calls:
             with pytest.raises(grpc.aio.AioRpcError, match="(missing|wrong) cluster secret") as err:
@@ -74,8 +73,8 @@ def test_admin_calls_with_the_cluster_secret_change_membership(loop_thread, toke
         await admin.RegisterWorker(admin_pb2.RegisterWorkerRequest(role="decode", address=extra.address))
         registry = cluster.router.registry
         assert registry.get(extra.address) is not None
-        assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=extra.address,
-                                                                               drain=True))).found
+        drained = await admin.DrainWorkers(admin_pb2.DrainWorkersRequest(addresses=[extra.address, "nope:1"]))
+        assert list(drained.found) == [extra.address]
         assert registry.get(extra.address).draining
         assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=extra.address))).found
         assert registry.get(extra.address) is None

@@ -156,8 +156,8 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
             stream = client.generate_stream([9, 8, 7], max_tokens=30)
             chunks = [await stream.__anext__()]                  # in flight on `first`
             assert registry.get(first.address).num_inflight == 1
-            reply = await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
-            assert reply.found
+            reply = await admin.DrainWorkers(admin_pb2.DrainWorkersRequest(addresses=[first.address]))
+            assert list(reply.found) == [first.address]
             registry.get(second.address).num_inflight -= 1000
             view = {w.address: w for w in (await stub.GetCluster(tandem_pb2.GetClusterRequest(),
                                                                   metadata=cluster_secret_metadata())).workers}
@@ -173,8 +173,7 @@ def test_a_draining_worker_finishes_its_streams_and_takes_no_new_ones(loop_threa
             assert view[first.address].num_requests == 1 and view[second.address].num_requests == 1
             assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address))).found
             assert registry.get(first.address) is None
-            assert not (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address="nope:1",
-                                                                                        drain=True))).found
+            assert not (await admin.DrainWorkers(admin_pb2.DrainWorkersRequest(addresses=["nope:1"]))).found
     run(loop_thread, tokenizer, body, num_decode=2, decode_options={"token_interval_s": 0.02})
 
 
@@ -200,21 +199,25 @@ class _HoldingDecode(FakeDecode):
 def test_a_draining_decode_worker_hands_its_requests_without_a_first_token_to_another(loop_thread, tokenizer):
     """Scale-down must not wait for a prefill backlog: a request the drained decode worker holds
     before its first token starts again on another decode worker at once (aborted at both of its
-    old workers); a stream already running stays and finishes there."""
+    old workers); a stream already running stays and finishes there. Drained in one call with
+    `idle` (the least loaded worker), the request goes to the worker that stays, not to `idle`."""
     async def main():
         prefill = await FakeWorker("prefill").start()
         first = FakeWorker("decode")
         first.servicer = _HoldingDecode(first.state, token_interval_s=0.02)
         second = await FakeWorker("decode", token_interval_s=0.02).start()
+        idle = await FakeWorker("decode", token_interval_s=0.02).start()
         await first.start()
         router = await Router(RouterConfig(model=MODEL, http_port=-1, grpc_port=0, prefill=(prefill.address,),
-                                           decode=(first.address, second.address), heartbeat_interval_s=0.2),
+                                           decode=(first.address, second.address, idle.address),
+                                           heartbeat_interval_s=0.2),
                               tokenizer).start()
         try:
             registry = router.registry
-            await registry.wait_healthy("decode", 2)
+            await registry.wait_healthy("decode", 3)
             await registry.wait_healthy("prefill", 1)
             registry.get(second.address).num_inflight = 1000         # least_load picks `first`
+            registry.get(idle.address).num_inflight = 1000
             async with AsyncTandemClient(router.grpc_address) as client, \
                     grpc.aio.insecure_channel(router.grpc_address) as channel:
                 running = client.generate_stream([9, 8, 7], max_tokens=30)
@@ -226,22 +229,24 @@ def test_a_draining_decode_worker_hands_its_requests_without_a_first_token_to_an
                 held = asyncio.ensure_future(collect([_HoldingDecode.HOLD, 5, 6]))
                 await until(lambda: first.servicer.held)
                 assert registry.get(first.address).num_inflight == 2
-                reply = await admin_stub(channel).DeregisterWorker(
-                    admin_pb2.DeregisterWorkerRequest(address=first.address, drain=True))
-                assert reply.found
+                registry.get(idle.address).num_inflight -= 1000     # least_load would pick `idle` now
+                reply = await admin_stub(channel).DrainWorkers(
+                    admin_pb2.DrainWorkersRequest(addresses=[first.address, idle.address]))
+                assert list(reply.found) == [first.address, idle.address]
                 registry.get(second.address).num_inflight -= 1000
                 # `first` never releases it: the request completes on `second`.
                 assert await asyncio.wait_for(held, 10) == fake_completion([_HoldingDecode.HOLD, 5, 6], 10)
                 moved = first.servicer.held[0]
                 assert moved in first.state.aborted and moved in prefill.state.aborted
                 assert [rid for rid in second.state.seen if rid.startswith(moved)] == [f"{moved}.retry1"]
+                assert not idle.state.seen
                 chunks += [c async for c in running]                 # the running stream stays and ends
                 assert [t for c in chunks for t in c.token_ids] == fake_completion([9, 8, 7], 30)
                 assert registry.get(first.address).num_inflight == 0   # drained: the controller may stop it
                 assert not first.servicer.release.is_set()
         finally:
             await router.stop()
-            for worker in (prefill, first, second):
+            for worker in (prefill, first, second, idle):
                 await worker.stop()
 
     loop_thread.run(main())

@@ -39,8 +39,7 @@ async def _drain_a_streaming_worker(tokenizer, drain_move_after_s: float | None)
             chunks = [await stream.__anext__()]                    # streaming on `first`
             admin = SecretStub(admin_pb2_grpc.AdminStub(channel), require_secret("the test"))
             drained_at = time.monotonic()
-            assert (await admin.DeregisterWorker(admin_pb2.DeregisterWorkerRequest(address=first.address,
-                                                                                  drain=True))).found
+            assert (await admin.DrainWorkers(admin_pb2.DrainWorkersRequest(addresses=[first.address]))).found
             registry.get(second.address).num_inflight -= 1000
             emptied_s = None
             async for chunk in stream:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\"6\n\x15RegisterWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x18\n\x16RegisterWorkerResponse\"9\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\")\n\x18\x44\x65registerWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x32\xbb\x01\n\x05\x41\x64min\x12U\n\x0eRegisterWorker\x12 .tandem.v1.RegisterWorkerRequest\x1a!.tandem.v1.RegisterWorkerResponse\x12[\n\x10\x44\x65registerWorker\x12\".tandem.v1.DeregisterWorkerRequest\x1a#.tandem.v1.DeregisterWorkerResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tandem/v1/admin.proto\x12\ttandem.v1\"6\n\x15RegisterWorkerRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x18\n\x16RegisterWorkerResponse\"0\n\x17\x44\x65registerWorkerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\tJ\x04\x08\x02\x10\x03\")\n\x18\x44\x65registerWorkerResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"(\n\x13\x44rainWorkersRequest\x12\x11\n\taddresses\x18\x01 \x03(\t\"%\n\x14\x44rainWorkersResponse\x12\r\n\x05\x66ound\x18\x01 \x03(\t2\x8c\x02\n\x05\x41\x64min\x12U\n\x0eRegisterWorker\x12 .tandem.v1.RegisterWorkerRequest\x1a!.tandem.v1.RegisterWorkerResponse\x12[\n\x10\x44\x65registerWorker\x12\".tandem.v1.DeregisterWorkerRequest\x1a#.tandem.v1.DeregisterWorkerResponse\x12O\n\x0c\x44rainWorkers\x12\x1e.tandem.v1.DrainWorkersRequest\x1a\x1f.tandem.v1.DrainWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERWORKERRESPONSE']._serialized_start=92
   _globals['_REGISTERWORKERRESPONSE']._serialized_end=116
   _globals['_DEREGISTERWORKERREQUEST']._serialized_start=118
-  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=175
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=177
-  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=218
-  _globals['_ADMIN']._serialized_start=221
-  _globals['_ADMIN']._serialized_end=408
+  _globals['_DEREGISTERWORKERREQUEST']._serialized_end=166
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_start=168
+  _globals['_DEREGISTERWORKERRESPONSE']._serialized_end=209
+  _globals['_DRAINWORKERSREQUEST']._serialized_start=211
+  _globals['_DRAINWORKERSREQUEST']._serialized_end=251
+  _globals['_DRAINWORKERSRESPONSE']._serialized_start=253
+  _globals['_DRAINWORKERSRESPONSE']._serialized_end=290
+  _globals['_ADMIN']._serialized_start=293
+  _globals['_ADMIN']._serialized_end=561
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,7 @@
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -17,15 +19,25 @@ class RegisterWorkerResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DeregisterWorkerRequest(_message.Message):
-    __slots__ = ("address", "drain")
+    __slots__ = ("address",)
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
-    DRAIN_FIELD_NUMBER: _ClassVar[int]
     address: str
-    drain: bool
-    def __init__(self, address: _Optional[str] = ..., drain: _Optional[bool] = ...) -> None: ...
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class DeregisterWorkerResponse(_message.Message):
     __slots__ = ("found",)
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class DrainWorkersRequest(_message.Message):
+    __slots__ = ("addresses",)
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DrainWorkersResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, found: _Optional[_Iterable[str]] = ...) -> None: ...

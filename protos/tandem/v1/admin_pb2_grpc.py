@@ -44,6 +44,11 @@ class AdminStub:
                 request_serializer=tandem_dot_v1_dot_admin__pb2.DeregisterWorkerRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_admin__pb2.DeregisterWorkerResponse.FromString,
                 _registered_method=True)
+        self.DrainWorkers = channel.unary_unary(
+                '/tandem.v1.Admin/DrainWorkers',
+                request_serializer=tandem_dot_v1_dot_admin__pb2.DrainWorkersRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_admin__pb2.DrainWorkersResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -57,8 +62,13 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeregisterWorker(self, request, context):
-        """Drain or remove a worker.
-        """
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainWorkers(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -75,6 +85,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.DeregisterWorker,
                     request_deserializer=tandem_dot_v1_dot_admin__pb2.DeregisterWorkerRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_admin__pb2.DeregisterWorkerResponse.SerializeToString,
+            ),
+            'DrainWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainWorkers,
+                    request_deserializer=tandem_dot_v1_dot_admin__pb2.DrainWorkersRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_admin__pb2.DrainWorkersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +146,33 @@ class Admin:
             '/tandem.v1.Admin/DeregisterWorker',
             tandem_dot_v1_dot_admin__pb2.DeregisterWorkerRequest.SerializeToString,
             tandem_dot_v1_dot_admin__pb2.DeregisterWorkerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Admin/DrainWorkers',
+            tandem_dot_v1_dot_admin__pb2.DrainWorkersRequest.SerializeToString,
+            tandem_dot_v1_dot_admin__pb2.DrainWorkersResponse.FromString,
             options,
             channel_credentials,
             insecure,
