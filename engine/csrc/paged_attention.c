@@ -114,7 +114,9 @@ static inline float exp2_nonpositive(float x) {
 }
 
 #if HAVE_AVX512
-static inline __m512 exp2_nonpositive_512(__m512 x) {
+/* 2^x as exp2_nonpositive, 16 lanes, for any x up to 127: the AMX prefill's lazily rescaled
+ * softmax passes arguments up to AMX_RESCALE_LOG2 above 0. */
+static inline __m512 exp2_softmax_512(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f)); /* also maps -inf to a finite argument */
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
@@ -148,7 +150,7 @@ static float softmax_tile(float *restrict scores, int n, int width, float *runni
     for (; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
         const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), vnew_max);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp2_nonpositive_512(x));
+        const __m512 p = _mm512_maskz_mov_ps(live, exp2_softmax_512(x));
         vsum = _mm512_add_ps(vsum, p);
         _mm512_mask_storeu_ps(scores + j, live, p);
     }
@@ -1027,13 +1029,17 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
  * interleaved, the VNNI layout). One column is one query, so the online softmax runs lane-wise
  * over the item's 16 queries, with no horizontal reductions. Values: O^T = V^T P^T. V^T is packed
  * once per call and (sequence, kv head), head_dim rows of keys, and P^T's rows are paired as the
- * B tile. As in the AVX512-BF16 kernel, products are bfloat16 pairs summed in float32 and the
- * softmax weights are rounded to bfloat16 for the values (their sum is not). Work items are
+ * B tile, gathered 16 keys at a time. The softmax rescales lazily (a lane's reference max moves
+ * only when a step's max passes it by AMX_RESCALE_LOG2), the causal mask is applied only on the
+ * diagonal steps, and O^T accumulates in the tiles where acc lies. As in the AVX512-BF16 kernel,
+ * products are bfloat16 pairs summed in float32 and the softmax weights are rounded to bfloat16
+ * for the values (their sum is not). Work items are
  * (sequence, run of 16 query tokens, head), each sequence's last (costliest) runs first; each
  * output row is one thread's, in a fixed order, so results do not depend on the thread count. */
 #define AMX_QUERIES 16
 #define AMX_KEY_STEP 64   /* keys per softmax step: 4 score tiles, 2 value steps */
 #define AMX_MAX_HEAD_DIM 256
+#define AMX_RESCALE_LOG2 8.0f   /* lazy rescaling's slack (log2 domain): weights up to 2^8 */
 
 #if HAVE_AMX
 /* [a0..a15] and [b0..b15] as bfloat16 pairs [a0 b0 a1 b1 ...]: one VNNI row of P^T. */
@@ -1062,7 +1068,21 @@ static void pack_values_transposed(const kv_cache_t *kv, const int32_t *table, i
     const int d = kv->head_dim;
     const int64_t width = padded_len(seq_len);
     const uint16_t *cache = kv->v;
-    for (int32_t k = 0; k < seq_len; k++) {
+    int32_t k = 0;
+    /* 16 keys at a time (a run of 16 slots never crosses a block: block_size % 16 == 0): one
+     * gather takes dims (i, i + 1) of the 16 keys as 32-bit pairs, which split into two V^T rows */
+    const __m512i slots = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int)kv->v_slot_stride));
+    for (; k + 16 <= seq_len; k += 16) {
+        const uint16_t *first = cache + table[k / kv->block_size] * kv->v_block_stride
+                                + (k % kv->block_size) * kv->v_slot_stride + kv_head * kv->v_head_stride;
+        for (int i = 0; i < d; i += 2) {
+            const __m512i pairs = _mm512_i32gather_epi32(slots, (const void *)(first + i), 2);
+            _mm256_storeu_si256((__m256i *)(vt + i * width + k), _mm512_cvtepi32_epi16(pairs));
+            _mm256_storeu_si256((__m256i *)(vt + (i + 1) * width + k), _mm512_cvtepi32_epi16(_mm512_srli_epi32(pairs, 16)));
+        }
+    }
+    for (; k < seq_len; k++) {
         const uint16_t *row = cache + table[k / kv->block_size] * kv->v_block_stride
                               + (k % kv->block_size) * kv->v_slot_stride + kv_head * kv->v_head_stride;
         for (int i = 0; i < d; i++) vt[i * width + k] = row[i];
@@ -1102,7 +1122,6 @@ static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int 
     }
     float acc[AMX_MAX_HEAD_DIM * AMX_QUERIES] __attribute__((aligned(64)));   /* O^T, d rows of 16 queries */
     float scores[AMX_KEY_STEP * AMX_QUERIES] __attribute__((aligned(64)));    /* S^T, a row per key */
-    float part[16 * AMX_QUERIES] __attribute__((aligned(64)));
     uint16_t pt[AMX_KEY_STEP * AMX_QUERIES] __attribute__((aligned(64)));     /* P^T: B tiles of 32 keys */
     memset(acc, 0, sizeof(float) * d * AMX_QUERIES);
     __m512 running_max = _mm512_set1_ps(-INFINITY), running_sum = _mm512_setzero_ps();
@@ -1129,29 +1148,40 @@ static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int 
         }
         AMX_STORE_SCORES(0) AMX_STORE_SCORES(1) AMX_STORE_SCORES(2) AMX_STORE_SCORES(3)
 
-        __m512 step_max = running_max;
+        /* Keys this step may hide from some lane: only the steps that reach past the first
+         * lane's own position (the diagonal) need the causal mask. */
+        const int diagonal = k0 + nk - 1 > context + t0;
+        const __m512 scale = _mm512_set1_ps(job->scale_log2);
+        __m512 step_max = _mm512_set1_ps(-INFINITY);
         for (int j = 0; j < nk; j++) {
-            const __mmask16 visible = _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last_key);
-            const __m512 s = _mm512_mask_blend_ps(visible, _mm512_set1_ps(-INFINITY),
-                                                  _mm512_mul_ps(_mm512_load_ps(scores + j * 16), _mm512_set1_ps(job->scale_log2)));
-            _mm512_store_ps(scores + j * 16, s);
+            __m512 s = _mm512_mul_ps(_mm512_load_ps(scores + j * 16), scale);
+            if (diagonal)
+                s = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last_key),
+                                         _mm512_set1_ps(-INFINITY), s);
             step_max = _mm512_max_ps(step_max, s);
         }
-        /* every lane sees key 0, so step_max is finite from the first step on */
-        const __mmask16 moved = _mm512_cmp_ps_mask(step_max, running_max, _CMP_NEQ_OQ);
-        const __m512 alpha = exp2_nonpositive_512(_mm512_sub_ps(running_max, step_max));
+        /* Lazy rescaling: a lane's reference max moves only when this step's max passes it by
+         * more than AMX_RESCALE_LOG2 (weights then stay below 2^AMX_RESCALE_LOG2, far inside
+         * float32 and bfloat16 range), so most steps skip rescaling the accumulator. Every lane
+         * sees key 0, so the first step moves every lane to a finite max. */
+        const __mmask16 moved = _mm512_cmp_ps_mask(step_max, _mm512_add_ps(running_max, _mm512_set1_ps(AMX_RESCALE_LOG2)),
+                                                   _CMP_GT_OQ);
         if (moved) {
+            const __m512 new_max = _mm512_mask_blend_ps(moved, running_max, step_max);
+            const __m512 alpha = exp2_softmax_512(_mm512_sub_ps(running_max, new_max));
             running_sum = _mm512_mul_ps(running_sum, alpha);
             for (int i = 0; i < d; i++) _mm512_store_ps(acc + i * 16, _mm512_mul_ps(_mm512_load_ps(acc + i * 16), alpha));
+            running_max = new_max;
         }
         const int paired = (nk + 31) / 32 * 32;   /* keys in whole B tiles */
         for (int j = 0; j < paired; j += 2) {
             __m512 p[2];
             for (int e = 0; e < 2; e++) {
                 if (j + e < nk) {
-                    const __m512 s = _mm512_load_ps(scores + (j + e) * 16);
-                    const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-                    p[e] = _mm512_maskz_mov_ps(seen, exp2_nonpositive_512(_mm512_sub_ps(s, step_max)));
+                    /* 2^(s - max): s * scale - max in one fused step */
+                    p[e] = exp2_softmax_512(_mm512_fmsub_ps(_mm512_load_ps(scores + (j + e) * 16), scale, running_max));
+                    if (diagonal)
+                        p[e] = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j + e), last_key), p[e]);
                     running_sum = _mm512_add_ps(running_sum, p[e]);
                 } else {
                     p[e] = _mm512_setzero_ps();
@@ -1159,18 +1189,15 @@ static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int 
             }
             _mm512_store_si512((void *)(pt + j * 16), pair_rows_bf16(p[0], p[1]));
         }
-        running_max = step_max;
+        /* acc's rows i0..i0+15 are one 16 x 16 float32 tile as they lie: accumulate in place */
         for (int i0 = 0; i0 < d; i0 += 16) {
-            _tile_zero(0);
+            _tile_loadd(0, acc + i0 * 16, 64);
             for (int j = 0; j < paired; j += 32) {
                 _tile_loadd(1, vt + i0 * width + k0 + j, width * 2);
                 _tile_loadd(2, pt + j * 16, 64);
                 _tile_dpbf16ps(0, 1, 2);
             }
-            _tile_stored(0, part, 64);
-            for (int i = 0; i < 16; i++)
-                _mm512_store_ps(acc + (i0 + i) * 16, _mm512_add_ps(_mm512_load_ps(acc + (i0 + i) * 16),
-                                                                   _mm512_load_ps(part + i * 16)));
+            _tile_stored(0, acc + i0 * 16, 64);
         }
     }
     const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), running_sum);
