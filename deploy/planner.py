@@ -21,8 +21,11 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   output token = (the ``max_tokens`` arriving per second, averaged over ``arrival_window_s``) x (the
   share of ``max_tokens`` that finished requests used, learned) x the ITL SLO. The SLO, not the observed ITL,
   because the capacity is counted in streams at the SLO's pace too: needed = output tokens/s /
-  (a worker's tokens/s within the SLO). Until a request has finished (no share known) the load is a
-  moving average of the streams counted on the decode workers. The prediction sees a load change
+  (a worker's tokens/s within the SLO). Until a request has finished (no share known) the load is
+  the larger of the prediction at a share of 1 (every request using all its ``max_tokens``: an
+  upper bound, so decode errs on the side of more) and a moving average of the streams counted on
+  the decode workers: counted streams lag the arrivals by a stream's life, so a load's first
+  stream life, before one finishes, would be sized on a fraction of it. The prediction sees a load change
   when the requests arrive, not a stream life later when the running streams have changed: at a
   chat -> document change decode gives replicas back while chat streams still run -- as long as the
   replicas left hold those streams within the SLO (one fewer must carry the streams running now at
@@ -282,10 +285,18 @@ class Planner:
         return None if share is None else (self.asked_load or 0.0) * share * self.config.itl_slo_s
 
     @property
+    def upper_streams(self) -> float:
+        """The predicted streams if every request used all its ``max_tokens`` (a share of 1)."""
+        return (self.asked_load or 0.0) * self.config.itl_slo_s
+
+    @property
     def decode_load(self) -> float | None:
-        """What decode is sized for: the predicted streams, else the counted ones."""
+        """What decode is sized for: the predicted streams; until a request finished, the larger of
+        the upper bound and the counted streams (which lag the arrivals by a stream's life)."""
         predicted = self.predicted_streams
-        return self.stream_load if predicted is None else predicted
+        if predicted is not None:
+            return predicted
+        return None if self.stream_load is None else max(self.upper_streams, self.stream_load)
 
     def _decode_fits(self, replicas: int, utilization: float, obs: Observation) -> bool:
         """Whether ``replicas`` decode workers carry the predicted load at ``utilization`` of their
@@ -413,5 +424,5 @@ class Planner:
                 f"(SLO {self.config.itl_slo_s * 1e3:.0f}); prompt load {num(self.prompt_load)} tok/s, prefill "
                 f"capacity {num(self.capacity.prefill_tokens_per_s)} tok/s/worker, {obs.prefill_waiting} waiting; "
                 f"decode load {num(self.decode_load, fmt='.1f')} streams (counted {num(self.stream_load, fmt='.1f')}, "
-                f"predicted {num(self.predicted_streams, fmt='.1f')}), capacity "
+                f"predicted {num(self.predicted_streams, fmt='.1f')}, upper {self.upper_streams:.1f}), capacity "
                 f"{num(self.capacity.decode_streams, fmt='.1f')} streams/worker, KV {obs.decode_kv_usage:.0%}")

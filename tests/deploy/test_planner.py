@@ -287,11 +287,30 @@ def test_predicts_decode_load_from_arrivals_before_the_streams_build_up():
     assert planner.output_share == 0.5 and planner.predicted_streams == pytest.approx(10.0)
     assert planner.decode_load == pytest.approx(10.0) and planner.stream_load == 1.0
     assert ds[1].targets["decode"] == 2 and ds[1].reasons["decode"] == Reason.DECODE_LOAD
-    # No request finished yet: no share, the counted streams are the load.
+
+
+def test_decode_grows_on_arrivals_before_any_request_finished():
+    # A load's first stream life: 400 max_tokens/s arrive, nothing has finished (no share learned),
+    # the workers count 1 stream. At a share of 1 (the upper bound) that is 20 streams at the 50 ms
+    # SLO's pace; a worker holds 10 at 80%: 3 workers, after up_after = 2 intervals. On the counted
+    # streams it would stay at 1 until the streams had built up, a stream life later.
     planner = Planner(CONFIG, KNOWN)
     ds = run(planner, [obs(1, 1, max_tokens_per_s=400, decode_streams=1, itl_mean_s=0.01)] * 2)
-    assert planner.predicted_streams is None and planner.decode_load == 1.0
-    assert ds[1].targets["decode"] == 1
+    assert [d.targets["decode"] for d in ds] == [1, 3]
+    assert [d.reasons["decode"] for d in ds] == [Reason.PENDING, Reason.DECODE_LOAD]
+    assert planner.output_share is None and planner.predicted_streams is None
+    assert planner.decode_load == pytest.approx(20.0) and planner.upper_streams == pytest.approx(20.0)
+    # Once requests finish the share is learned (a quarter here): 5 streams, one worker at 60%
+    # carries them, so after down_after = 4 intervals decode gives back one at a time (cooldown 3 s).
+    done = obs(1, 3, max_tokens_per_s=400, finished_output_tokens=25, finished_max_tokens=100, decode_streams=1,
+               itl_mean_s=0.01)
+    ds = run(planner, [done] * 10, start_s=2.0)
+    assert planner.output_share == pytest.approx(0.25) and planner.decode_load == pytest.approx(5.0)
+    assert [d.targets["decode"] for d in ds] == [3, 3, 3, 2, 2, 2, 2, 1, 1, 1]
+    # No arrivals seen (the planner started under a running load): the counted streams still count.
+    planner = Planner(CONFIG, KNOWN)
+    ds = run(planner, [obs(1, 1, decode_streams=18, itl_mean_s=0.01)] * 2)
+    assert planner.decode_load == 18.0 and ds[1].targets["decode"] == 3
 
 
 def test_decode_gives_back_at_a_phase_change_while_the_old_streams_still_run():
