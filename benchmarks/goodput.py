@@ -21,7 +21,8 @@ light load: a 1.5k-token prompt prefills in ~0.6 s and a decode step of a few se
 20-60 ms on 2 cores, so a missed SLO means queueing or interference, not the hardware's floor.
 
     python benchmarks/goodput.py [--rates 0.25,0.5,1,2] [--num-prompts 24] [--systems tandem,tandem-pd,vllm]
-                                 [--slo-ttft-ms 3000] [--slo-tpot-ms 100] [--out /tmp/tandem-goodput]
+                                 [--slo-ttft-ms 3000] [--slo-tpot-ms 100] [--tandem-args "--chunked-prefill-size 1024"]
+                                 [--out /tmp/tandem-goodput]
 
 Run it on a quiet machine (nothing else on the cores); results go to --out (one JSON per system
 and rate, plus summary.json).
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     parser.add_argument("--out", type=Path, default=Path("/tmp/tandem-goodput"))
+    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags for tandem and tandem-pd")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     systems = args.systems.split(",")
@@ -131,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[float, dict]] = {}
     for name in systems:
         cmd, port, model, ready, timeout_s = SYSTEMS[name]
+        if name.startswith("tandem"):
+            cmd = [*cmd, *shlex.split(args.tandem_args)]
         proc, summary[f"{name}_startup_s"] = serve(name, cmd, port, args.out / f"{name}.log", timeout_s, ready)
         try:
             results[name] = {rate: run_rate(name, port, model, rate, args) for rate in rates}

@@ -335,6 +335,29 @@ def test_bfloat16_prefill_on_the_amx_kernel_matches_float64_reference(gen, monke
 
 
 @amx_prefill
+@pytest.mark.parametrize("growth", [0.1, -0.0013], ids=["rising", "falling"])
+def test_the_amx_prefill_kernel_stays_exact_when_scores_rise_or_fall_along_the_context(gen, growth):
+    """Keys scaled by 1 + growth * position. Rising, the scores' max climbs ~240 (log2 units) along
+    the 700-token context, far past the kernel's lazy-rescaling slack (8) and past float32's range
+    (2^127): without rescaling the accumulator mid-context the weights overflow to inf. Falling,
+    the first keys hold the max and later weights underflow towards 0."""
+    chunks = [(300, 300), (40, 700)]
+    q_lens, seq_lens = (list(x) for x in zip(*chunks))
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    for row, seq_len in enumerate(seq_lens):
+        for pos in range(seq_len):
+            block, slot = int(paged.block_tables[row, pos // 16]), pos % 16
+            paged.k_cache[block, slot] *= 1 + growth * pos
+    query = torch.randn(sum(q_lens), 6, 64, generator=gen).bfloat16()
+    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
+    ref = torch_backend.prefill_attention(query.double(), paged.k_cache.double(), paged.v_cache.double(),
+                                          paged.block_tables, starts, tuple(seq_lens), 0.125)
+    paged.poison(float("nan"))
+    out = _amx_kernel(query, paged.k_cache, paged.v_cache, paged.block_tables, starts, seq_lens, 0.125)
+    _check(out, ref, torch.bfloat16)
+
+
+@amx_prefill
 def test_the_amx_prefill_kernel_gives_the_same_results_on_one_and_two_threads(gen, threads):
     q_lens, seq_lens = zip(*PREFILL_CHUNKS)
     paged = make_paged_kv(gen, list(seq_lens), num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
