@@ -18,7 +18,9 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   ITL, from intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed
   part, so far below the SLO the proportion says nothing). Load = *predicted* from what arrives
   (Little's law, as Dynamo's planner): streams = arrival rate x expected output length x time per
-  output token = (the ``max_tokens`` arriving per second, averaged over ``arrival_window_s``) x (the
+  output token = (the ``max_tokens`` arriving per second, averaged over ``arrival_window_s``, or over
+  the time since the first request arrived if that is shorter: the planner starts before the
+  traffic, and the idle intervals before it would hold a new load's first window low) x (the
   share of ``max_tokens`` that finished requests used, learned) x the ITL SLO. The SLO, not the observed ITL,
   because the capacity is counted in streams at the SLO's pace too: needed = output tokens/s /
   (a worker's tokens/s within the SLO). Until a request has finished (no share known) the load is
@@ -202,7 +204,11 @@ class Planner:
     capacity: Capacity = field(default_factory=Capacity)
     prompt_load: float | None = None        # moving average, prompt tokens/s
     stream_load: float | None = None        # moving average, decode streams counted on the workers
-    asked_load: float | None = None         # moving average, max_tokens/s arriving
+    asked_load: float | None = None         # moving average, max_tokens/s arriving (0 until one arrived)
+    # The exponential average's sum and its weight so far (1 - (1 - w)^k over the k intervals since the
+    # first arrival), whose ratio is asked_load: a new load's first intervals averaged as they are.
+    _asked_sum: float = 0.0
+    _asked_weight: float = 0.0
     # Moving sums of finished requests' generated tokens and their max_tokens (their ratio: the share
     # of max_tokens a request uses); 0 until one finished.
     _finished_output: float = 0.0
@@ -245,8 +251,10 @@ class Planner:
         # An exponential average with a time constant of arrival_window_s, at interval_s a step.
         w = 1.0 - math.exp(-self.config.interval_s / self.config.arrival_window_s) if self.config.arrival_window_s \
             else 1.0
-        self.asked_load = obs.max_tokens_per_s if self.asked_load is None else (
-            w * obs.max_tokens_per_s + (1 - w) * self.asked_load)
+        if self._asked_weight > 0 or obs.max_tokens_per_s > 0:
+            self._asked_sum = w * obs.max_tokens_per_s + (1 - w) * self._asked_sum
+            self._asked_weight = w + (1 - w) * self._asked_weight
+        self.asked_load = self._asked_sum / self._asked_weight if self._asked_weight else 0.0
         self._finished_output = w * obs.finished_output_tokens + (1 - w) * self._finished_output
         self._finished_max = w * obs.finished_max_tokens + (1 - w) * self._finished_max
         prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams

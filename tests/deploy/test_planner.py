@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -351,6 +352,22 @@ def test_decode_growth_and_running_guard_read_streams_without_reservations():
     docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64, itl_mean_s=0.02)
     ds = run(planner, [obs(1, 3, decode_streams=30, decode_running=10, **docs)] * 4)
     assert ds[3].targets["decode"] == 2 and ds[3].reasons["decode"] == Reason.LOAD_FELL
+
+
+def test_arrivals_are_averaged_from_the_first_request_not_from_the_idle_start():
+    # The planner starts before the traffic: 5 idle intervals, then 400 max_tokens/s (20 streams at a
+    # share of 1, nothing finished yet). The average starts at the first arrival, so decode grows to 3
+    # after up_after = 2 intervals; averaged with the idle intervals (the 10 s window from 0) the
+    # first two would say ~72 max_tokens/s, 3.6 streams: 1 worker.
+    planner = Planner(CONFIG, KNOWN)
+    load = obs(1, 1, max_tokens_per_s=400, decode_streams=1, itl_mean_s=0.01)
+    ds = run(planner, [obs(1, 1)] * 5 + [load] * 2)
+    assert [d.targets["decode"] for d in ds] == [1, 1, 1, 1, 1, 1, 3]
+    assert planner.asked_load == pytest.approx(400.0)
+    # Once it started, an idle interval is averaged in: 2 intervals of 400 and one of 0.
+    planner.decide(obs(1, 3), 7.0)
+    w = 1 - math.exp(-0.1)
+    assert planner.asked_load == pytest.approx(400 * (1 - w) * (1 - (1 - w) ** 2) / (1 - (1 - w) ** 3))
 
 
 def test_predicted_decode_load_averages_arrivals_over_a_window():
