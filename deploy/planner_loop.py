@@ -160,7 +160,8 @@ class PlannerMetrics:
         self.prompt_load = Gauge("tandem_planner_prompt_load_tokens_per_second",
                                  "predicted prompt tokens/s (moving average)", registry=r)
         self.stream_load = Gauge("tandem_planner_decode_load_streams", "decode streams the planner sizes for: "
-                                 "predicted from arrivals, else counted (moving average)", registry=r)
+                                 "predicted from arrivals; before a request finished, the larger of the "
+                                 "counted streams and the arrivals at a share of 1 (moving average)", registry=r)
         self.predicted_streams = Gauge("tandem_planner_predicted_decode_streams",
                                        "decode streams predicted from arrivals: max_tokens/s x the share finished "
                                        "requests used x the ITL SLO (NaN until a request finished)", registry=r)
