@@ -204,9 +204,9 @@ class Planner:
     capacity: Capacity = field(default_factory=Capacity)
     prompt_load: float | None = None        # moving average, prompt tokens/s
     stream_load: float | None = None        # moving average, decode streams counted on the workers
-    asked_load: float | None = None         # moving average, max_tokens/s arriving (0 until one arrived)
-    # The exponential average's sum and its weight so far (1 - (1 - w)^k over the k intervals since the
-    # first arrival), whose ratio is asked_load: a new load's first intervals averaged as they are.
+    # The exponential average of max_tokens/s arriving, as its sum and its weight so far (1 - (1 - w)^k
+    # over the k intervals since the first arrival), whose ratio is asked_load: a new load's first
+    # intervals averaged as they are.
     _asked_sum: float = 0.0
     _asked_weight: float = 0.0
     # Moving sums of finished requests' generated tokens and their max_tokens (their ratio: the share
@@ -254,7 +254,6 @@ class Planner:
         if self._asked_weight > 0 or obs.max_tokens_per_s > 0:
             self._asked_sum = w * obs.max_tokens_per_s + (1 - w) * self._asked_sum
             self._asked_weight = w + (1 - w) * self._asked_weight
-        self.asked_load = self._asked_sum / self._asked_weight if self._asked_weight else 0.0
         self._finished_output = w * obs.finished_output_tokens + (1 - w) * self._finished_output
         self._finished_max = w * obs.finished_max_tokens + (1 - w) * self._finished_max
         prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams
@@ -290,12 +289,17 @@ class Planner:
         """Decode streams the arriving requests make at the SLO's pace (Little's law: arrivals x
         expected output x time per output token); None until a finished request gave the share."""
         share = self.output_share
-        return None if share is None else (self.asked_load or 0.0) * share * self.config.itl_slo_s
+        return None if share is None else self.asked_load * share * self.config.itl_slo_s
+
+    @property
+    def asked_load(self) -> float:
+        """Moving average of the ``max_tokens``/s arriving, from the first arrival on (0 before)."""
+        return self._asked_sum / self._asked_weight if self._asked_weight else 0.0
 
     @property
     def upper_streams(self) -> float:
         """The predicted streams if every request used all its ``max_tokens`` (a share of 1)."""
-        return (self.asked_load or 0.0) * self.config.itl_slo_s
+        return self.asked_load * self.config.itl_slo_s
 
     @property
     def decode_load(self) -> float | None:

@@ -24,9 +24,9 @@ three kernels' errors equal). Since 2026-11-28 the AMX kernel gathers V^T, resca
 masks only diagonal steps: 1024: 2.1-2.2 -> 1.7, 2048: 6.8-7.3 -> 5.5-5.8, the 512-token chunk over
 2048: 3.2-3.5 -> 2.3-2.4 (alternated with the earlier kernel in one session). Other AMX shapes
 keep the earlier rule: SDPA for bfloat16 chunks of at least ``SDPA_MIN_CHUNK`` tokens, the AVX-512
-kernel below that. Without AMX the AVX-512 kernel
-was 1.8-3.8x faster than SDPA on every case tried, 16-token chunks over a prefix up to one
-4096-token fresh prompt (``python -m benchmarks.attention_cpu --long``).
+kernel below that. Without AMX the AVX-512 kernel was 1.8-3.8x faster than SDPA on every case
+tried, 16-token chunks over a prefix up to one 4096-token fresh prompt (``python -m
+benchmarks.attention_cpu --long``).
 
 ``python -m engine.attention.cpu_backend --build`` compiles the kernels ahead of time.
 """
