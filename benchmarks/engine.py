@@ -31,7 +31,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 
 import torch  # noqa: E402
 
-from engine.config import CacheConfig, ModelConfig, SamplingParams, SchedulerConfig  # noqa: E402
+from engine.config import LOAD_FORMATS, CacheConfig, ModelConfig, SamplingParams, SchedulerConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 
 
@@ -164,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="also print one JSON line of results")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton"], default="auto")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="dummy: random weights from the model's config alone (an HF directory with "
+                             "config.json and tokenizer files is enough): a profile for a model whose weights "
+                             "are not at hand; step times do not depend on the weights' values")
     args = parser.parse_args(argv)
     batches, threads, contexts = _ints(args.batches), _ints(args.threads), _ints(args.contexts)
     bandwidth = copy_bandwidth_gbps(1 << 31 if args.device == "cuda" else 1 << 29, device=args.device)
@@ -171,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     # model .. chunked_prefill_size and each prefill row's kv_bytes_per_token: what a simulated
     # engine's profile needs besides the timings (engine/sim/latency.py).
     results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}, "model": args.model,
-                     "device": args.device, "prefill_len": args.prefill_len, "prefill_batch": args.prefill_batch,
+                     "load_format": args.load_format, "device": args.device, "prefill_len": args.prefill_len, "prefill_batch": args.prefill_batch,
                      "chunked_prefill_size": args.chunked_prefill_size}
     for dtype in args.dtypes.split(","):
         torch.set_num_threads(max(threads))
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         max_len = max(max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16,
                       args.prefill_len)
         engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device=args.device, max_model_len=max_len,
-                                       attention_backend=args.attention_backend),
+                                       attention_backend=args.attention_backend, load_format=args.load_format),
                            CacheConfig(kv_cache_memory=(max(batches) + 8) * (max_len + 32)
                                        * engine_kv_bytes_per_token(args.model, dtype),
                                        enable_prefix_caching=False, shared_memory=False),

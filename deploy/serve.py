@@ -468,6 +468,8 @@ def _serve(args: argparse.Namespace, tp: dict[str, int], arch: Any, model_path: 
                     *public_api_flags(args)]
     if args.drain_move_after_s is not None:
         router_flags += ["--drain-move-after-s", str(args.drain_move_after_s)]
+    if args.load_format != "auto":
+        router_flags += ["--load-format", args.load_format]   # the router checks workers against the config alone
     if is_hub_id(args.model) and not Path(args.model).exists():
         # The router runs on this node: it reads the snapshot check_model resolved (the last
         # --model wins) and answers to the id.

@@ -23,6 +23,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _POLICIES = ("fcfs", "lpm")
 ENGINES = ("torch", "sim")   # sim: engine/sim/, a simulated forward pass
+LOAD_FORMATS = ("auto", "dummy")   # dummy: random weights of the checkpoint's shapes (vLLM's --load-format dummy)
 
 
 def cpu_flags(cpuinfo: str = "/proc/cpuinfo") -> frozenset[str]:
@@ -87,6 +88,10 @@ class ModelConfig:
     gguf_kernels: str = flag("auto", "GGUF Q4_0/Q4_1/Q8_0/Q4_K/Q6_K weights on CPU: auto (decode steps read the "
                              "quantized blocks up to the batch size where that measured faster at load; needs "
                              "AVX-512 and TP 1) or off (dense weights only)", choices=("auto", "off"))
+    load_format: str = flag("auto", "auto (the checkpoint's weights) or dummy (random weights of the checkpoint's "
+                            "shapes, read from its config alone: an HF directory needs only config.json and the "
+                            "tokenizer files; for measuring speed, e.g. a --engine sim profile for hardware "
+                            "without the weights; the output is noise)", choices=LOAD_FORMATS)
     engine: str = flag("torch", "torch (run the model) or sim (simulated forward pass: each step sleeps the time "
                        "--sim-profile's latency model predicts and emits deterministic tokens; everything else is "
                        "real; README 'Simulated engine')", choices=ENGINES)
@@ -108,6 +113,8 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.gguf_kernels not in ("auto", "off"):
             raise ValueError(f"gguf_kernels={self.gguf_kernels!r}: use auto or off")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}: use one of {LOAD_FORMATS}")
         if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: use auto, cpu, torch or triton")
 

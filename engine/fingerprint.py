@@ -102,27 +102,36 @@ def check_peer(mine: str, peer: str, my_role: str, peer_role: str) -> str:
             f"{peer_role} worker {peer} vs {my_role} worker {mine}")
 
 
-def model_identity(model: str) -> ModelIdentity:
-    """The identity of ``model`` (a built-in name, HF directory or .gguf file) from its files."""
+def model_identity(model: str, weights: bool = True) -> ModelIdentity:
+    """The identity of ``model`` (a built-in name, HF directory or .gguf file) from its files
+    (``weights``: see ``identity_of``)."""
     source = resolve_model(model)
     arch = load_arch(source)
-    return identity_of(source, arch if sim_profile_of(model) is None else sim_arch(arch))
+    return identity_of(source, arch if sim_profile_of(model) is None else sim_arch(arch), weights)
 
 
-def local_model_identity(model: str) -> ModelIdentity | None:
+def local_model_identity(model: str, weights: bool = True) -> ModelIdentity | None:
     """``model_identity`` when ``model`` is a built-in name, an existing path or a simulated
     model (``sim:PROFILE``, engine/sim/arch.py), else None: a
     Hugging Face id is never resolved here (the caller, the router, does not know the workers'
     ``--revision`` and must not download weights)."""
     if model not in BUILTIN_MODELS and not Path(model).expanduser().exists() and sim_profile_of(model) is None:
         return None
-    return model_identity(model)
+    return model_identity(model, weights)
 
 
-def identity_of(source: ModelSource, arch: ArchConfig) -> ModelIdentity:
+def identity_of(source: ModelSource, arch: ArchConfig, weights: bool = True) -> ModelIdentity:
+    """``weights`` False: the model runs random weights (``--load-format dummy``), so its identity
+    is that of its config with no weight files: it pairs with workers and routers of a directory
+    holding only config.json, never with ones serving the checkpoint's real weights."""
     config = json.dumps(dataclasses.asdict(arch), sort_keys=True, default=str)
     config_digest = hashlib.blake2b(config.encode(), digest_size=DIGEST_NBYTES).hexdigest()
-    files = [source.path] if source.kind == "gguf" else sorted(source.path.glob("*.safetensors"))
+    if not weights:
+        files = []
+    elif source.kind == "gguf":
+        files = [source.path]
+    else:
+        files = sorted(source.path.glob("*.safetensors"))
     name = "".join("_" if c.isspace() or c == "=" else c for c in source.path.name)  # one token in str()
     return ModelIdentity(PROTOCOL_VERSION, arch.architecture, config_digest, weights_digest(files), name)
 
@@ -152,4 +161,4 @@ def worker_fingerprint(engine) -> Fingerprint:
     kv = f"{layout.num_layers}x{layout.num_kv_heads}x{layout.head_dim}/{layout.block_size}"
     dtype = str(layout.dtype).removeprefix("torch.")
     tp = f"{engine.parallel.tp_rank}/{engine.parallel.tensor_parallel_size}"
-    return Fingerprint(identity_of(engine.model_source, engine.arch), dtype, kv, tp)
+    return Fingerprint(identity_of(engine.model_source, engine.arch, weights=not engine.dummy_weights), dtype, kv, tp)

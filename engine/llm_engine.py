@@ -113,6 +113,7 @@ class LLMEngine:
             raise
         self.max_model_len = self.runner.max_model_len
         self.model_name = model_config.model
+        self.dummy_weights = model_config.load_format == "dummy"   # random weights: see fingerprint
         self.allocator = BlockAllocator(self.runner.num_blocks, cache_config.block_size,
                                         cache_config.enable_prefix_caching)
         self.scheduler = Scheduler(replace(scheduler_config, chunked_prefill_size=self.runner.max_num_batched_tokens),

@@ -150,7 +150,7 @@ class ModelRunner:
             tp = TensorParallel(self.group.rank, self.group.size, self.group.all_reduce)
         started = time.perf_counter()
         self.model = self._load_model(checkpoint, attention_backend(model_config, self.device), tp,
-                                      model_config.gguf_kernels)
+                                      model_config.gguf_kernels, dummy=model_config.load_format == "dummy")
         logger.info("loaded %s (%s, %.1fM params, %s, TP rank %d of %d) in %.1f s", self.source.path,
                     self.arch.architecture, self.arch.num_params / 1e6, self.dtype, tp.rank, tp.size,
                     time.perf_counter() - started)
@@ -196,7 +196,7 @@ class ModelRunner:
         return self.kv_pool.num_blocks
 
     def _load_model(self, checkpoint: Checkpoint, backend: ModuleType, tp: TensorParallel,
-                    gguf_kernels: str = "auto") -> LlamaForCausalLM:
+                    gguf_kernels: str = "auto", dummy: bool = False) -> LlamaForCausalLM:
         cls = {**llama.MODEL_CLASSES, **moe.MODEL_CLASSES}[self.arch.architecture]
         max_positions = max(self.max_model_len, self.arch.max_position_embeddings)
         rotary = RotaryEmbedding(self.arch.head_dim, max_positions, self.arch.rope_theta,
@@ -204,10 +204,14 @@ class ModelRunner:
         # Built on the meta device: parameters get their storage from the checkpoint itself.
         with torch.device("meta"):
             model = cls(self.arch, backend, rotary, tp)
-        model.load_weights(checkpoint.weights(), self.dtype, self.device)
+        if dummy:
+            model.init_dummy_weights(self.dtype, self.device)   # the checkpoint's weights are never read
+        else:
+            model.load_weights(checkpoint.weights(), self.dtype, self.device)
         if can_pack_linear(self.device, self.dtype):
             model.pack_for_cpu()
-            if gguf_kernels == "auto" and checkpoint.gguf is not None and quant_linear.load() is not None:
+            if (gguf_kernels == "auto" and checkpoint.gguf is not None and not dummy
+                    and quant_linear.load() is not None):
                 self._use_quantized(model, checkpoint)
         return model.eval()
 

@@ -19,6 +19,7 @@ from protos.process import freeze_heap
 
 use_polling_io()   # before anything imports grpc (protos/grpc_io.py): the router's process, not its package
 
+from engine.config import LOAD_FORMATS  # noqa: E402
 from router.config import DECODE_POLICIES, PREFILL_POLICIES, READY_PREFIX, RouterConfig, add_public_api_args  # noqa: E402
 from router.server import Router  # noqa: E402
 
@@ -28,6 +29,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p = argparse.ArgumentParser(prog="python -m router", description="Tandem router: gRPC + OpenAI HTTP API")
     p.add_argument("--model", default=d.model, help="model the workers serve (built-in name, HF dir or .gguf)")
     p.add_argument("--served-model-name", default="", help="name clients use (default: --model)")
+    p.add_argument("--load-format", default=d.load_format, choices=LOAD_FORMATS,
+                   help="the workers' --load-format: with dummy (random weights) a worker is checked against "
+                        "--model's config alone, never its weight files")
     p.add_argument("--host", default=d.host)
     p.add_argument("--http-port", type=int, default=d.http_port, help="0 = pick a free port, -1 = no HTTP")
     p.add_argument("--grpc-port", type=int, default=d.grpc_port, help="0 = pick a free port")
@@ -54,7 +58,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     args = p.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s router %(name)s: %(message)s", stream=sys.stderr)
-    return RouterConfig(model=args.model, served_model_name=args.served_model_name, host=args.host,
+    return RouterConfig(model=args.model, served_model_name=args.served_model_name, load_format=args.load_format,
+                        host=args.host,
                         http_port=args.http_port, grpc_port=args.grpc_port, prefill=tuple(args.prefill),
                         decode=tuple(args.decode), api_key=args.api_key, prefill_policy=args.prefill_policy,
                         decode_policy=args.decode_policy, max_waiting=args.max_waiting,

@@ -19,6 +19,7 @@ READY_PREFIX = "TANDEM_ROUTER_READY "      # `python -m router` prints it + {"ht
 class RouterConfig:
     model: str = "smollm2-135m-instruct"   # tokenizer + served model name (built-in, HF dir or .gguf)
     served_model_name: str = ""            # name clients use; empty = --model
+    load_format: str = "auto"              # the workers' --load-format: dummy = they run random weights
     host: str = "127.0.0.1"                # address the HTTP and gRPC servers bind
     http_port: int = 8000                  # 0 picks a free port; -1 disables HTTP
     grpc_port: int = 50051                 # 0 picks a free port

@@ -90,11 +90,14 @@ class WorkerState:
 
 class WorkerRegistry:
     def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 2.0,
-                 max_missed: int = 2, *, secret: str | None = None, model: str = "") -> None:
+                 max_missed: int = 2, *, secret: str | None = None, model: str = "",
+                 dummy_weights: bool = False) -> None:
         """``secret``: sent on every call to a worker (None: none, for fake workers in tests);
-        ``model``: the router's model -- a worker that serves another one is refused."""
+        ``model``: the router's model -- a worker that serves another one is refused;
+        ``dummy_weights``: the workers run random weights of ``model``'s shapes (--load-format dummy)."""
         self._secret = secret
         self.model = model
+        self.dummy_weights = dummy_weights
         self._identity: ModelIdentity | None = None   # what every worker's fingerprint must show
         self._identity_from = ""                       # where it came from, for the log and errors
         self._identity_lock = asyncio.Lock()
@@ -278,7 +281,7 @@ class WorkerRegistry:
     def _own_identity(self) -> ModelIdentity | None:
         """The identity of the router's own ``--model`` files, or None when it cannot read them."""
         try:
-            identity = local_model_identity(self.model) if self.model else None
+            identity = local_model_identity(self.model, weights=not self.dummy_weights) if self.model else None
         except (OSError, ValueError) as exc:
             logger.warning("cannot read the model %r to check workers against (%s); the first worker "
                            "to answer sets the model", self.model, exc)

@@ -62,7 +62,7 @@ class Router:
     async def start(self) -> Router:
         c = self.config
         self.registry = WorkerRegistry(c.heartbeat_interval_s, c.heartbeat_timeout_s, c.max_missed_heartbeats,
-                                       secret=self._secret, model=c.model)
+                                       secret=self._secret, model=c.model, dummy_weights=c.load_format == "dummy")
         self.dispatcher = Dispatcher(self.registry, make_policy(c.prefill_policy), make_policy(c.decode_policy),
                                      c.max_attempts, c.rpc_timeout_s,
                                      on_failover=lambda _: self.metrics.failovers.inc(),

@@ -178,6 +178,9 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+DUMMY_SCALE = 1e-3   # --load-format dummy's weights: uniform in +-DUMMY_SCALE
+
+
 class LlamaForCausalLM(nn.Module):
     """Embedding, norms and lm_head are replicated on every TP rank (exact, and the logits
     need no gather); attention and MLP are split as ``tp`` says."""
@@ -325,6 +328,22 @@ class LlamaForCausalLM(nn.Module):
             param_dtype = torch.float32 if isinstance(module, RMSNorm) else dtype
             module._parameters[param_name] = nn.Parameter(value.to(device=device, dtype=param_dtype),
                                                           requires_grad=False)
+
+    def init_dummy_weights(self, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        """Random parameters of this module's shapes instead of a checkpoint's (``--load-format
+        dummy``): norms 1, every other weight and bias uniform in +-DUMMY_SCALE, as vLLM's dummy
+        format draws them, so the residual stream neither grows nor vanishes across layers. The
+        same seed gives the same weights on the same device type and TP layout."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        for target, param in list(self.named_parameters()):
+            module_name, _, param_name = target.rpartition(".")
+            module = self.get_submodule(module_name)
+            if isinstance(module, RMSNorm):
+                value = torch.ones(param.shape, dtype=torch.float32, device=device)
+            else:
+                value = torch.empty(param.shape, dtype=dtype, device=device).uniform_(
+                    -DUMMY_SCALE, DUMMY_SCALE, generator=gen)
+            module._parameters[param_name] = nn.Parameter(value, requires_grad=False)
 
     def _shard_ids(self, param_name: str) -> list[int | None]:
         if ".qkv_proj." in param_name:
