@@ -13,7 +13,13 @@ Decode contexts are built once per (dtype, context): the largest batch is prefil
 then aborted down to each smaller batch. Thread counts are switched in the same process
 (``torch.set_num_threads``; the CPU attention kernels follow it). Run it on a quiet machine.
 With ``--device cuda`` the engine runs on the GPU (Triton attention); a step's wall time still
-ends at the sampled token ids reaching the host, and the copy bandwidth is the device's.
+ends at the sampled token ids reaching the host, and the copy bandwidth is the device's. Each
+decode row then also gives ``gpu_ms``: the GPU's kernel time per step (torch.profiler), what the
+step would take if the host never kept the GPU waiting.
+
+``--load-format dummy`` runs random weights built from the model's config alone: a profile for the
+simulator (engine/sim/latency.py reads this script's ``--json`` output) of a model whose weights
+are not at hand, from an HF directory holding only its config.json and tokenizer files.
 """
 from __future__ import annotations
 
@@ -91,7 +97,8 @@ def bench_decode(engine: LLMEngine, batches: list[int], threads: list[int], cont
                  rng: random.Random, profile: bool) -> tuple[list[dict], str | None]:
     batches = sorted(batches, reverse=True)
     prefill_steps = -(-batches[0] * context // engine.scheduler.config.chunked_prefill_size) + 1
-    params = SamplingParams(temperature=0, max_tokens=_decode_budget(batches, threads, steps, prefill_steps),
+    cuda = engine.runner.device.type == "cuda"
+    params = SamplingParams(temperature=0, max_tokens=_decode_budget(batches, threads, steps, prefill_steps, cuda),
                             ignore_eos=True)
     ids = [f"ctx{context}-{i}" for i in range(batches[0])]
     for request_id, prompt in zip(ids, _prompts(rng, engine.runner.arch.vocab_size, batches[0], context)):
@@ -106,10 +113,17 @@ def bench_decode(engine: LLMEngine, batches: list[int], threads: list[int], cont
         for n in threads:
             torch.set_num_threads(n)
             ms = _time_steps(engine, steps)
-            rows.append({"batch": batch, "context": context, "threads": n, "step_ms": ms,
-                         "tok_per_s": batch * 1e3 / ms})
+            row = {"batch": batch, "context": context, "threads": n, "step_ms": ms, "tok_per_s": batch * 1e3 / ms}
+            gpu = ""
+            if engine.runner.device.type == "cuda":
+                row["gpu_ms"] = gpu_busy_ms(engine, steps)
+                gpu = f", GPU kernels {row['gpu_ms']:.2f} ms/step"
+            if len(engine.scheduler.running) != batch:
+                raise RuntimeError(f"sequences finished while batch {batch} was measured: _decode_budget "
+                                   "gave them too few tokens")
+            rows.append(row)
             print(f"  decode batch {batch:>3} context {context:>5} threads {n}: {ms:7.1f} ms/step "
-                  f"({batch * 1e3 / ms:7.1f} tok/s)", flush=True)
+                  f"({batch * 1e3 / ms:7.1f} tok/s{gpu})", flush=True)
             if profile and batch == 16 and n == max(threads) and table is None:
                 table = profile_steps(engine, steps)
     for request_id in ids:
@@ -117,10 +131,26 @@ def bench_decode(engine: LLMEngine, batches: list[int], threads: list[int], cont
     return rows, table
 
 
-def _decode_budget(batches: list[int], threads: list[int], steps: int, prefill_steps: int) -> int:
+def _decode_budget(batches: list[int], threads: list[int], steps: int, prefill_steps: int, cuda: bool) -> int:
     """Tokens each sequence may generate over one context's measurements: while the others
-    still prefill (continuous batching), the warm-ups, the timed steps and the profile."""
-    return prefill_steps + len(threads) * len(batches) * (steps + 1) + steps + 16
+    still prefill (continuous batching), the warm-ups, the timed steps (and on CUDA the steps
+    ``gpu_busy_ms`` profiles) and the profile."""
+    per_row = steps + 1 + (steps if cuda else 0)
+    return prefill_steps + len(threads) * len(batches) * per_row + steps + 16
+
+
+def gpu_busy_ms(engine: LLMEngine, steps: int) -> float:
+    """ms of GPU kernel time per decode step (torch.profiler's device time, summed over every
+    kernel of ``steps`` steps): what a step would take if the host never kept the GPU waiting,
+    e.g. with the step captured in a CUDA graph. The wall time per step is ``_time_steps``'s."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    kernels_us = sum(e.self_device_time_total for e in prof.key_averages()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)
+    return kernels_us / 1e3 / steps
 
 
 def profile_steps(engine: LLMEngine, steps: int) -> str:
@@ -175,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     # model .. chunked_prefill_size and each prefill row's kv_bytes_per_token: what a simulated
     # engine's profile needs besides the timings (engine/sim/latency.py).
     results: dict = {"copy_gbps": bandwidth, "decode": [], "prefill": [], "profiles": {}, "model": args.model,
-                     "load_format": args.load_format, "device": args.device, "prefill_len": args.prefill_len, "prefill_batch": args.prefill_batch,
-                     "chunked_prefill_size": args.chunked_prefill_size}
+                     "load_format": args.load_format, "device": args.device, "prefill_len": args.prefill_len,
+                     "prefill_batch": args.prefill_batch, "chunked_prefill_size": args.chunked_prefill_size}
     for dtype in args.dtypes.split(","):
         torch.set_num_threads(max(threads))
         prefill_steps = -(-max(batches) * max(contexts) // args.chunked_prefill_size) + 1
-        max_len = max(max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps) + 16,
+        max_len = max(max(contexts) + _decode_budget(batches, threads, args.decode_steps, prefill_steps,
+                                                     args.device == "cuda") + 16,
                       args.prefill_len)
         engine = LLMEngine(ModelConfig(model=args.model, dtype=dtype, device=args.device, max_model_len=max_len,
                                        attention_backend=args.attention_backend, load_format=args.load_format),

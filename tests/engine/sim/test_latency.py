@@ -50,6 +50,18 @@ def test_gpu_profile_cites_its_source_and_fits():
     assert kv_cache_tokens(profile, 1 << 30) == (1 << 30) // 131072
 
 
+def test_measured_gpu_profile_says_how_it_was_made_and_fits():
+    profile = load_profile("llama-3.1-8b-h200")
+    assert profile["source"].startswith("MEASURED") and "--load-format dummy" in profile["source"]
+    assert {r["context"] for r in profile["decode"]} == {1024, 4096}   # two contexts: batch and context separate
+    # Every row also holds the GPU's kernel time, below the host-bound wall time it was measured with.
+    assert all(0 < r["gpu_ms"] < r["step_ms"] for r in profile["decode"])
+    model = LatencyModel.fit(profile)
+    assert 20.0 < model.step_ms(1, 1024, 0) < 45.0       # measured: 27.7 ms (batch 1, 1,024 tokens)
+    assert model.step_ms(128, 128 * 4096, 0) > model.step_ms(1, 4096, 0)
+    assert kv_cache_tokens(profile, None) == profile["kv_cache_tokens"] > 400000
+
+
 def test_bad_profiles_are_refused_with_a_reason(tmp_path):
     with pytest.raises(ValueError, match="'decode' and 'prefill' rows"):
         LatencyModel.fit({"decode": []})
