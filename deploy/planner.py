@@ -72,6 +72,15 @@ PROFILE_DECODE_CONTEXT_TOKENS = 1024
 # SLO: a step is base + per-stream cost, so scaling a batch by SLO / ITL from far below misjudges it
 # (at 4 ms of a 6 ms SLO, most of the 4 ms is the fixed part).
 LEARN_ITL_FRACTION = 0.85
+# The arriving max_tokens are believed to have fallen (a load changed, not noise) when the newest
+# FALL_INTERVALS intervals together brought under FALL_FRACTION of what the window's average predicts
+# for them: then the window starts again from those intervals. For a chat load of ~3.5 requests an
+# interval (benchmarks/planner.py's), three intervals bring 10.5 on average and at most 3 with a
+# Poisson probability of 0.7% (simulated: one 37-interval chat phase in 14 restarts once; what then
+# reads low for a few intervals cannot take a decode replica from streams still running, as
+# _decode_fits holds them); a chat -> documents change (64 max_tokens instead of 768) brings ~6%.
+FALL_INTERVALS = 3
+FALL_FRACTION = 1 / 3
 
 
 class Reason(enum.IntEnum):
@@ -209,6 +218,17 @@ class Planner:
     # intervals averaged as they are.
     _asked_sum: float = 0.0
     _asked_weight: float = 0.0
+    # The newest intervals' max_tokens/s (up to FALL_INTERVALS of them), for the fall test below.
+    _asked_recent: list[float] = field(default_factory=list)
+    # The prompt tokens/s arriving over the same window, as its sum and weight from the first prompt
+    # on (prompt_window_load): what a prefill give-back is checked against besides prompt_load.
+    _prompt_sum: float = 0.0
+    _prompt_weight: float = 0.0
+    # The running (decoding) decode streams: the last count, when, and their moving rate of change
+    # (streams/s, over intervals with the same replicas serving): the running streams' projection.
+    _last_running: float | None = None
+    _last_at_s: float | None = None
+    running_slope: float = 0.0
     # Moving sums of finished requests' generated tokens and their max_tokens (their ratio: the share
     # of max_tokens a request uses); 0 until one finished.
     _finished_output: float = 0.0
@@ -217,7 +237,7 @@ class Planner:
     _last_serving: dict[str, int] | None = None
 
     def decide(self, obs: Observation, now_s: float) -> Decision:
-        self._learn(obs)
+        self._learn(obs, now_s)
         need, reasons = self._needed(obs)
         cap = self.config.max_workers - 1          # the other role keeps at least one
         need = {role: min(max(1, n), cap) for role, n in need.items()}
@@ -242,7 +262,7 @@ class Planner:
 
     # -- the model ---------------------------------------------------------------------------
 
-    def _learn(self, obs: Observation) -> None:
+    def _learn(self, obs: Observation, now_s: float) -> None:
         a = self.config.load_smoothing
         self.prompt_load = obs.prompt_tokens_per_s if self.prompt_load is None else (
             a * obs.prompt_tokens_per_s + (1 - a) * self.prompt_load)
@@ -251,9 +271,30 @@ class Planner:
         # An exponential average with a time constant of arrival_window_s, at interval_s a step.
         w = 1.0 - math.exp(-self.config.interval_s / self.config.arrival_window_s) if self.config.arrival_window_s \
             else 1.0
+        if self._prompt_weight > 0 or obs.prompt_tokens_per_s > 0:
+            self._prompt_sum = w * obs.prompt_tokens_per_s + (1 - w) * self._prompt_sum
+            self._prompt_weight = w + (1 - w) * self._prompt_weight
         if self._asked_weight > 0 or obs.max_tokens_per_s > 0:
+            expected = self.asked_load
             self._asked_sum = w * obs.max_tokens_per_s + (1 - w) * self._asked_sum
             self._asked_weight = w + (1 - w) * self._asked_weight
+            self._asked_recent = [*self._asked_recent[1 - FALL_INTERVALS:], obs.max_tokens_per_s]
+            recent = self._asked_recent
+            if len(recent) == FALL_INTERVALS and sum(recent) < FALL_FRACTION * FALL_INTERVALS * expected:
+                # The arrivals fell (a load changed, not noise): the window starts again from these
+                # intervals, as if they were all it had seen.
+                self._asked_weight = 1.0 - (1 - w) ** FALL_INTERVALS
+                self._asked_sum = self._asked_weight * sum(recent) / FALL_INTERVALS
+        serving_now = obs.serving or obs.replicas
+        running = obs.decode_streams if obs.decode_running is None else obs.decode_running
+        draining = (obs.held or obs.replicas)["decode"] > obs.replicas["decode"]
+        if self._last_running is not None and self._last_at_s is not None and now_s > self._last_at_s \
+                and serving_now == self._last_serving and not draining:
+            # Only while the same decode workers serve and none drains: a replica that comes or goes
+            # takes its streams in or out of the count.
+            slope = (running - self._last_running) / (now_s - self._last_at_s)
+            self.running_slope = a * slope + (1 - a) * self.running_slope
+        self._last_running, self._last_at_s = running, now_s
         self._finished_output = w * obs.finished_output_tokens + (1 - w) * self._finished_output
         self._finished_max = w * obs.finished_max_tokens + (1 - w) * self._finished_max
         prefill, decode = self.capacity.prefill_tokens_per_s, self.capacity.decode_streams
@@ -310,16 +351,30 @@ class Planner:
             return predicted
         return None if self.stream_load is None else max(self.upper_streams, self.stream_load)
 
+    @property
+    def prompt_window_load(self) -> float | None:
+        """The prompt tokens/s arriving averaged over ``arrival_window_s`` from the first prompt on;
+        None before one arrived."""
+        return self._prompt_sum / self._prompt_weight if self._prompt_weight else None
+
+    def projected_running(self, running: float) -> float:
+        """The running decode streams ``cooldown_s`` ahead along their moving rate of change, when
+        they fall (never when they rise: a give-back is checked against the larger)."""
+        return max(0.0, running + min(0.0, self.running_slope) * self.config.cooldown_s)
+
     def _decode_fits(self, replicas: int, utilization: float, obs: Observation) -> bool:
         """Whether ``replicas`` decode workers carry the predicted load at ``utilization`` of their
-        capacity and hold the streams running now within the SLO (at full capacity: the running
-        streams end, or move to those left, while the new load is what arrives)."""
+        capacity and hold the streams running (at full capacity: the running streams end, or move
+        to those left, while the new load is what arrives). A replica given back keeps its streams
+        while it drains -- until they end, or until the router's ``--drain-move-after-s`` moves
+        them -- so the running streams are the ones projected ``cooldown_s`` ahead along their fall:
+        at a load change the old load's streams end at the rate it brought them."""
         capacity = self.capacity.decode_streams
         if not capacity:
             return False
         running = obs.decode_streams if obs.decode_running is None else obs.decode_running
         fits_load = (self.decode_load or 0.0) <= replicas * capacity * utilization
-        return fits_load and (self.predicted_streams is None or running <= replicas * capacity)
+        return fits_load and (self.predicted_streams is None or self.projected_running(running) <= replicas * capacity)
 
     def _needed(self, obs: Observation) -> tuple[dict[str, int], dict[str, Reason]]:
         c = self.config
@@ -361,9 +416,12 @@ class Planner:
         if role == "prefill":
             capacity, observed, slo = self.capacity.prefill_tokens_per_s, obs.ttft_p90_s, c.ttft_slo_s
             busy = obs.prefill_waiting > current
-            if not capacity or busy or _ratio(observed, slo) > c.slo_margin:
+            window = self.prompt_window_load
+            if not capacity or busy or window is None or _ratio(observed, slo) > c.slo_margin:
                 return False
-            return (self.prompt_load or 0.0) <= (current - 1) * capacity * c.down_utilization
+            # The load that fell must have fallen in the window's average too: the interval average
+            # of a few prompts an interval dips below the threshold by chance.
+            return max(self.prompt_load or 0.0, window) <= (current - 1) * capacity * c.down_utilization
         busy = self._kv_full(obs, c.kv_full * c.down_utilization / c.target_utilization)
         # Streams still rising (a load building up, not one that fell) keep every replica.
         busy = busy or obs.decode_streams > 1.1 * (self.stream_load or 0.0)

@@ -380,3 +380,51 @@ def test_predicted_decode_load_averages_arrivals_over_a_window():
                            decode_streams=10, itl_mean_s=0.02), float(i))
         seen.append(planner.predicted_streams)
     assert 9.0 <= min(seen[40:]) and max(seen[40:]) <= 11.0
+
+
+def test_prefill_gives_nothing_back_on_idle_intervals_before_the_traffic_or_a_noisy_dip():
+    # The planner starts before the traffic (3 idle intervals), then prompts of ~700 tok/s on
+    # average arrive a few at a time (the per-interval rates of a chat load: 595 ... 793). One
+    # prefill worker would run at 70%, over the 60% a give-back asks: both stay. Counting the idle
+    # intervals into the give-back's streak, with the prompt load averaged from 0 at the planner's
+    # start, the second went at the first interval of traffic.
+    planner = Planner(CONFIG, KNOWN)
+    chat = [obs(2, 1, prompt_tokens_per_s=p, prefill_tokens_per_s=p, ttft_p90_s=0.1, itl_mean_s=0.01)
+            for p in (595, 791, 198, 396, 791, 793) * 2]
+    ds = run(planner, [obs(2, 1)] * 3 + chat)
+    assert all(d.targets["prefill"] == 2 for d in ds), [d.targets["prefill"] for d in ds]
+    assert planner.prompt_window_load == pytest.approx(594, rel=0.1)
+
+
+def test_predicted_decode_load_follows_a_fall_in_arrivals_within_three_intervals():
+    # 400 max_tokens/s for 20 intervals (20 streams at a share of 1 and the 50 ms SLO), then
+    # documents: 20 max_tokens/s. Three intervals that together bring under a third of what the
+    # window predicts restart it: 1 stream predicted, where the 10 s window would still say ~15.
+    planner = Planner(CONFIG, KNOWN)
+    done = dict(finished_output_tokens=100, finished_max_tokens=100, itl_mean_s=0.02)
+    for i in range(20):
+        planner.decide(obs(1, 3, max_tokens_per_s=400, decode_streams=20, **done), float(i))
+    assert planner.predicted_streams == pytest.approx(20.0)
+    for i in range(2):
+        planner.decide(obs(1, 3, max_tokens_per_s=20, decode_streams=20, **done), 20.0 + i)
+    assert planner.predicted_streams > 15.0          # two intervals: not yet
+    planner.decide(obs(1, 3, max_tokens_per_s=20, decode_streams=20, **done), 22.0)
+    assert planner.predicted_streams == pytest.approx(1.0)
+    # It goes on from there as a window: one interval of 400 again moves it by that interval's weight.
+    planner.decide(obs(1, 3, max_tokens_per_s=400, decode_streams=20, **done), 23.0)
+    assert 1.0 < planner.predicted_streams < 10.0
+
+
+def test_decode_trades_to_prefill_on_the_running_streams_projected_along_their_fall():
+    # At the budget, prompts need more prefill; decode (3 workers of 10 streams) runs chat streams
+    # that end at 2 a second (no new ones: documents, 5 streams predicted). A replica given back
+    # keeps its streams while it drains, so the two left must hold the streams as they will be a
+    # cooldown (3 s) on: the trade comes at 24 running (~18.75 projected), not only once 20 run.
+    hot = dict(prompt_tokens_per_s=2500, prefill_tokens_per_s=1000, prefill_busy_tokens_per_s=1000,
+               prefill_waiting=10, ttft_p90_s=2.0, itl_mean_s=0.03)
+    docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64)
+    planner = Planner(BUDGET, KNOWN)
+    ds = [planner.decide(obs(1, 3, decode_streams=30 - 2 * i, **hot, **docs), float(i)) for i in range(4)]
+    assert [d.targets["decode"] for d in ds] == [3, 3, 3, 2]
+    assert ds[3].reasons == {"prefill": Reason.AT_MAX, "decode": Reason.REBALANCE}
+    assert planner.running_slope == pytest.approx(-1.75)
