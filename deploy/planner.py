@@ -12,7 +12,9 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   learned: the tokens/s of the workers that had prompts queued in an interval whose TTFT broke
   the SLO, so they ran flat out). Load = a moving average of the prompt tokens/s arriving at the router. Needed =
   ceil(load / (capacity x ``target_utilization``)): a worker kept below full use keeps its queue,
-  and so the TTFT, short.
+  and so the TTFT, short. A give-back for a fallen load also asks the prompt tokens/s averaged over
+  ``arrival_window_s`` from the first prompt on to have fallen: a few prompts an interval make the
+  moving average dip by chance, and before any prompt arrived there is no load to size for.
 - **decode**: capacity = streams one decode worker runs with its ITL within the SLO (the profile's
   step-time model solved for the batch, else learned: running streams per worker x SLO / observed
   ITL, from intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed
@@ -20,7 +22,9 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   (Little's law, as Dynamo's planner): streams = arrival rate x expected output length x time per
   output token = (the ``max_tokens`` arriving per second, averaged over ``arrival_window_s``, or over
   the time since the first request arrived if that is shorter: the planner starts before the
-  traffic, and the idle intervals before it would hold a new load's first window low) x (the
+  traffic, and the idle intervals before it would hold a new load's first window low; and from the
+  newest ``FALL_INTERVALS`` intervals when those brought under ``FALL_FRACTION`` of what the window
+  predicted: a fall in arrivals, not noise, so decode follows it in 3 intervals, not 2-3 windows) x (the
   share of ``max_tokens`` that finished requests used, learned) x the ITL SLO. The SLO, not the observed ITL,
   because the capacity is counted in streams at the SLO's pace too: needed = output tokens/s /
   (a worker's tokens/s within the SLO). Until a request has finished (no share known) the load is
@@ -30,8 +34,11 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   stream life, before one finishes, would be sized on a fraction of it. The prediction sees a load change
   when the requests arrive, not a stream life later when the running streams have changed: at a
   chat -> document change decode gives replicas back while chat streams still run -- as long as the
-  replicas left hold those streams within the SLO (one fewer must carry the streams running now at
-  its full capacity, besides the predicted load at the shrink's utilization). The ITL is the
+  replicas left hold those streams within the SLO (one fewer must carry the streams running at
+  its full capacity, besides the predicted load at the shrink's utilization). The running streams
+  are projected ``cooldown_s`` ahead along their moving rate of change when they fall: a replica
+  given back keeps its streams while it drains, until they end or the router's
+  ``--drain-move-after-s`` moves them, and at a load change the old streams end at the rate they came. The ITL is the
   interval's *mean* (the router histogram's sum / count, exact): a percentile read off buckets of 5
   and 10 ms cannot say whether 6 ms was kept.
 - **correction**: when the observed TTFT (ITL) p90 breaks its SLO although the model says the
@@ -455,8 +462,13 @@ class Planner:
                 continue
             if giver == "prefill":
                 capacity, observed = self.capacity.prefill_tokens_per_s, obs.ttft_p90_s
+                # The prompt load averaged over the window at target_utilization (a replica handed
+                # over is gone for tens of seconds: one interval's noise says little about that), and
+                # the moving average within full capacity (a load rising past the window's lag keeps it).
+                fewer = (current - 1) * (capacity or 0.0)
+                window = self.prompt_window_load or 0.0
                 fits = bool(capacity) and obs.prefill_waiting <= current and _ratio(observed, c.ttft_slo_s) <= 1 \
-                    and (self.prompt_load or 0.0) <= (current - 1) * (capacity or 0.0) * c.target_utilization
+                    and window <= fewer * c.target_utilization and (self.prompt_load or 0.0) <= fewer
             else:
                 fits = not self._kv_full(obs) and _ratio(obs.itl_mean_s, c.itl_slo_s) <= 1 \
                     and self._decode_fits(current - 1, c.target_utilization, obs)

@@ -428,3 +428,23 @@ def test_decode_trades_to_prefill_on_the_running_streams_projected_along_their_f
     assert [d.targets["decode"] for d in ds] == [3, 3, 3, 2]
     assert ds[3].reasons == {"prefill": Reason.AT_MAX, "decode": Reason.REBALANCE}
     assert planner.running_slope == pytest.approx(-1.75)
+
+
+def test_prefill_trade_reads_the_prompt_load_over_the_window_not_one_interval():
+    # At the budget (2:2) decode's streams need more; prompts arrived at 600 tok/s for 5 intervals,
+    # then two of 1100 (a few prompts more by chance). Over the window ~770 tok/s: one prefill
+    # worker carries that at 80% (800), and the last intervals' moving average (975) within its
+    # full 1000: prefill gives one as soon as decode is cut at the cap. On the moving average alone
+    # (975 > 800) it would wait for the noise to pass.
+    planner = Planner(BUDGET, KNOWN)
+    calm = dict(prefill_tokens_per_s=600, ttft_p90_s=0.3, itl_mean_s=0.03)
+    ds = [planner.decide(obs(2, 2, prompt_tokens_per_s=600, decode_streams=5, **calm), float(i)) for i in range(5)]
+    ds += [planner.decide(obs(2, 2, prompt_tokens_per_s=1100, decode_streams=40, **calm), 5.0 + i) for i in range(2)]
+    assert planner.prompt_load == pytest.approx(975) and planner.prompt_window_load < 800
+    assert ds[-1].targets == {"prefill": 1, "decode": 2}
+    assert ds[-1].reasons == {"prefill": Reason.REBALANCE, "decode": Reason.AT_MAX}
+    # A prompt load rising past full capacity keeps its replica, whatever the window still says.
+    planner = Planner(BUDGET, KNOWN)
+    ds = [planner.decide(obs(2, 2, prompt_tokens_per_s=600, decode_streams=5, **calm), float(i)) for i in range(5)]
+    ds += [planner.decide(obs(2, 2, prompt_tokens_per_s=1400, decode_streams=40, **calm), 5.0 + i) for i in range(2)]
+    assert planner.prompt_load > 1000 and ds[-1].targets == {"prefill": 2, "decode": 2}
