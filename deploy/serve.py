@@ -46,7 +46,7 @@ from worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 # WorkerConfig flags `serve` passes on to workers; the controller sets the others (host, ports).
-WORKER_KNOBS = ("kv_backend", "kv_nixl_allow_public", "kv_lease_s", "log_interval_s", "num_threads")
+WORKER_KNOBS = ("kv_backend", "kv_nixl_allow_public", "kv_lease_s", "log_interval_s", "num_threads", "bind_threads")
 _NOT_WORKER_KNOBS = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in WORKER_KNOBS)
 READY_POLL_S = 0.5
 # Conditional disaggregation on a one-node CPU deployment (benchmarks/vs_vllm.py, 2 cores, SmolLM2,

@@ -36,6 +36,9 @@ class WorkerConfig:
     kv_lease_s: float = flag(30.0, "a transfer with no sender activity this long fails")
     log_interval_s: float = flag(5.0, 'period of the "Prefill batch." / "Decode batch." lines')
     num_threads: int = flag(0, "torch CPU threads; 0 keeps torch's default")
+    bind_threads: bool = flag(True, "on CPU, when --num-threads equals the CPUs the worker may use (its affinity "
+                              "mask), bind each of the engine thread's torch threads to one of them (as vLLM's "
+                              "VLLM_CPU_OMP_THREADS_BIND does); --no-bind-threads leaves them to the scheduler")
     # Every internal gRPC call and kvtransfer connection proves it; never printed (repr=False).
     cluster_secret: str = field(default="", repr=False)
 

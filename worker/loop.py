@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -51,6 +52,7 @@ class EngineLoop(abc.ABC):
         self._next_log = time.monotonic() + log_interval_s
         self.error: BaseException | None = None
         self.num_threads = 0   # torch CPU threads of this thread (0: leave torch's setting)
+        self.bind_threads = False   # bind those threads one to a CPU (a CPU engine's, WorkerConfig)
         self._snapshot: dict[str, Any] = {}
         self._snapshot_at = 0.0
 
@@ -111,6 +113,8 @@ class EngineLoop(abc.ABC):
             if self.num_threads:
                 import torch
                 torch.set_num_threads(self.num_threads)
+                if self.bind_threads:
+                    self._bind_threads()
             while not self._stopping.is_set():
                 while True:
                     try:
@@ -131,6 +135,17 @@ class EngineLoop(abc.ABC):
             self.error = exc
             logger.exception("engine thread died")
             self.on_crash(exc)
+
+    def _bind_threads(self) -> None:
+        from engine.models import cpu_ops
+        ops = cpu_ops.load()
+        cpus = ops.bind_threads(self.num_threads) if ops is not None else []
+        if cpus:
+            logger.info("engine thread's %d torch threads bound to CPUs %s", self.num_threads, cpus)
+        else:
+            logger.info("engine thread's %d torch threads not bound to CPUs (bound only when there is one for "
+                        "each of the %d CPUs the worker may use, and the layer-ops library loads)", self.num_threads,
+                        len(os.sched_getaffinity(0)))
 
     @abc.abstractmethod
     def run_once(self) -> bool:

@@ -47,6 +47,7 @@ class WorkerParts:
     metrics: Any                                # WorkerMetrics
     close: Callable[[], None]
     tensor_parallel_size: int = 1
+    on_cpu: bool = True                         # the engine runs on CPU (its threads may be bound)
     # Run on the engine thread, with its torch threads, before the worker says it is ready
     # (LLMEngine.tune_kernels: load-time choices timed on the thread that will step).
     prepare: Callable[[], None] | None = None
@@ -89,6 +90,7 @@ def run(role: str, build: Callable[..., WorkerParts], argv: list[str] | None = N
         torch.set_num_threads(1)
         parts = build(worker, *configs, parallel)
         parts.loop.num_threads = num_threads
+        parts.loop.bind_threads = worker.bind_threads and parts.on_cpu
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"{role} worker: error: {exc}", file=sys.stderr)
         return 2

@@ -11,15 +11,17 @@
  * the caller makes torch's own thread count (prefill chunks: ~17% of a 1024-token step on one
  * thread, engine/models/cpu_ops.PARALLEL_MIN_TOKENS).
  */
+#define _GNU_SOURCE
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "avx512.h"
 #include "bf16.h"
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 
 int tandem_layer_ops_abi_version(void) { return ABI_VERSION; }
@@ -38,6 +40,33 @@ static void for_rows(rows_fn fn, const void *args, int64_t num_tokens, int num_t
         const int64_t n = omp_get_num_threads(), i = omp_get_thread_num();
         fn(args, num_tokens * i / n, num_tokens * (i + 1) / n);
     }
+}
+
+
+/* Bind each thread of the caller's OpenMP team of num_threads (torch's and these ops' team: one
+ * libgomp in the process) to one CPU: thread i to cpus[i]. What vLLM's CPU backend does with
+ * VLLM_CPU_OMP_THREADS_BIND; a thread that stays on its core keeps its caches between layers.
+ * Returns how many threads were bound (the team may be smaller than asked), or -1 when a bind
+ * failed (then nothing is left bound: every thread of the team gets every CPU of `all` back). */
+int tandem_bind_team(const int *cpus, int num_threads, const int *all, int num_all) {
+    int bound = 0, failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(+ : bound, failed)
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpus[omp_get_thread_num()], &set);
+        if (sched_setaffinity(0, sizeof(set), &set) == 0) bound++;
+        else failed++;
+    }
+    if (!failed) return bound;
+#pragma omp parallel num_threads(num_threads)
+    {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        for (int i = 0; i < num_all; i++) CPU_SET(all[i], &set);
+        sched_setaffinity(0, sizeof(set), &set);
+    }
+    return -1;
 }
 
 

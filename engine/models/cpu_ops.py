@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import lru_cache
 
 import torch
@@ -18,7 +19,7 @@ from engine.native import CSRC, KernelBuildError, build
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "layer_ops.c"
-ABI_VERSION = 4
+ABI_VERSION = 5
 # Rows from which an op runs on torch's threads. On 2 AMX cores, one thread took 0.84 / 0.35 /
 # 0.33 ms for silu_mul / add_rms_norm / rotary_store_kv of 1024 SmolLM2 rows (~17% of a 1024-token
 # prefill step over 30 layers) and 0.05 / 0.02 / 0.02 ms of 64.
@@ -45,6 +46,9 @@ class LayerOps:
         self._silu_mul = lib.tandem_silu_mul
         self._silu_mul.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _int, _int]
         self._silu_mul.restype = None
+        self._bind_team = lib.tandem_bind_team
+        self._bind_team.argtypes = [_ptr, _int, _ptr, _int]
+        self._bind_team.restype = _int
 
     @staticmethod
     def supports(dtype: torch.dtype, hidden: int, head_dim: int) -> bool:
@@ -96,6 +100,22 @@ class LayerOps:
         self._silu_mul(gate_up.data_ptr(), gate_up.stride(0), num_tokens, width // 2, out.data_ptr(),
                        _DTYPES[gate_up.dtype], _threads(num_tokens))
         return out
+
+
+    def bind_threads(self, num_threads: int) -> list[int]:
+        """Bind the calling thread's OpenMP team of ``num_threads`` (torch's intra-op threads when
+        the caller's ``torch.get_num_threads()`` is that) one thread to each CPU of this process's
+        affinity mask, the caller to the first: the CPUs bound, in thread order. Only when the
+        team has exactly one thread for every CPU the process may use: with fewer threads, each
+        worker on a node would bind to the same first CPUs and leave the others idle. [] (nothing
+        bound) then, for a team of one, or when the kernel refused."""
+        allowed = sorted(os.sched_getaffinity(0))
+        if num_threads < 2 or num_threads != len(allowed):
+            return []
+        cpus = (ctypes.c_int * num_threads)(*allowed[:num_threads])
+        every = (ctypes.c_int * len(allowed))(*allowed)
+        bound = self._bind_team(ctypes.addressof(cpus), num_threads, ctypes.addressof(every), len(allowed))
+        return allowed[:bound] if bound > 0 else []
 
 
 def _threads(num_tokens: int) -> int:
