@@ -17,8 +17,9 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   moving average dip by chance, and before any prompt arrived there is no load to size for.
 - **decode**: capacity = streams one decode worker runs with its ITL within the SLO (the profile's
   step-time model solved for the batch, else learned: running streams per worker x SLO / observed
-  ITL, from intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed
-  part, so far below the SLO the proportion says nothing). Load = *predicted* from what arrives
+  ITL -- with the profile's fixed step part known, x (SLO - fixed) / (ITL - fixed) --, from
+  intervals whose ITL came within ``LEARN_ITL_FRACTION`` of the SLO: a step has a fixed part, so
+  far below the SLO the proportion says nothing). Load = *predicted* from what arrives
   (Little's law, as Dynamo's planner): streams = arrival rate x expected output length x time per
   output token = (the ``max_tokens`` arriving per second, averaged over ``arrival_window_s``, or over
   the time since the first request arrived if that is shorter: the planner starts before the
@@ -180,6 +181,9 @@ class Capacity:
 
     prefill_tokens_per_s: float | None = None
     decode_streams: float | None = None
+    # The fixed part of a decode step (seconds: what a step takes with no stream), from a profile;
+    # None: not known, and the ITL is taken as proportional to the streams.
+    decode_base_s: float | None = None
 
 
 def profile_capacity(profile: dict[str, Any], itl_slo_s: float,
@@ -192,7 +196,7 @@ def profile_capacity(profile: dict[str, Any], itl_slo_s: float,
     per_stream_ms = model.per_seq_ms + model.per_context_token_ms * context_tokens
     room_ms = itl_slo_s * 1e3 - model.base_ms
     decode = room_ms / per_stream_ms if per_stream_ms > 0 else math.inf
-    return Capacity(prefill, max(decode, 1.0))
+    return Capacity(prefill, max(decode, 1.0), model.base_ms / 1e3)
 
 
 @dataclass(frozen=True)
@@ -322,10 +326,14 @@ class Planner:
         # transfer's gap, or the host's CPU): only one running at least half what it is thought to hold.
         loaded = streams_per_worker >= max(1.0, 0.5 * (decode or 0.0))
         if steady and informative and loaded:
-            # ITL grows with the batch: scaled to the SLO, the streams a worker holds within it.
-            estimate = streams_per_worker * self.config.itl_slo_s / (obs.itl_mean_s or 1.0)
+            # ITL grows with the batch: scaled to the SLO, the streams a worker holds within it. With
+            # the step's fixed part known (a profile), only the part above it grows with the streams.
+            itl, slo, base = obs.itl_mean_s or 1.0, self.config.itl_slo_s, self.capacity.decode_base_s or 0.0
+            if itl - base < (1 - LEARN_ITL_FRACTION) * slo:
+                base = 0.0                         # the profile's fixed part is off here: proportional
+            estimate = streams_per_worker * (slo - base) / (itl - base)
             decode = estimate if decode is None else 0.5 * (decode + estimate)
-        self.capacity = Capacity(prefill, decode)
+        self.capacity = Capacity(prefill, decode, self.capacity.decode_base_s)
 
     @property
     def output_share(self) -> float | None:

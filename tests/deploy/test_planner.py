@@ -448,3 +448,20 @@ def test_prefill_trade_reads_the_prompt_load_over_the_window_not_one_interval():
     ds = [planner.decide(obs(2, 2, prompt_tokens_per_s=600, decode_streams=5, **calm), float(i)) for i in range(5)]
     ds += [planner.decide(obs(2, 2, prompt_tokens_per_s=1400, decode_streams=40, **calm), 5.0 + i) for i in range(2)]
     assert planner.prompt_load > 1000 and ds[-1].targets == {"prefill": 2, "decode": 2}
+
+
+def test_learns_decode_capacity_above_the_profiles_fixed_step_part(tmp_path):
+    # The profile's step has a fixed part (2 ms here, from write_fast_profile); with it known, only
+    # the ITL above it grows with the streams: 8 streams a worker at 45 ms of a 50 ms SLO with a
+    # 30 ms fixed part hold 8 x 20 / 15 = 10.7 within the SLO, where the proportion says 8 x 50 / 45
+    # = 8.9 (which, learned in a phase of few long streams, sank the capacity the give-backs use).
+    profile = json.loads(write_fast_profile(tmp_path / "fast.json").read_text())
+    assert profile_capacity(profile, itl_slo_s=0.05).decode_base_s == pytest.approx(0.002, rel=0.05)
+    planner = Planner(CONFIG, Capacity(prefill_tokens_per_s=1000.0, decode_streams=10.0, decode_base_s=0.03))
+    run(planner, [obs(1, 1, decode_streams=8, itl_mean_s=0.045)] * 2)     # the first is not steady
+    assert planner.capacity.decode_streams == pytest.approx(0.5 * (10 + 8 * 20 / 15))
+    assert planner.capacity.decode_base_s == 0.03
+    # Unknown (no profile): proportional, as before.
+    planner = Planner(CONFIG, KNOWN)
+    run(planner, [obs(1, 1, decode_streams=8, itl_mean_s=0.045)] * 2)
+    assert planner.capacity.decode_streams == pytest.approx(0.5 * (10 + 8 * 50 / 45))
