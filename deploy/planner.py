@@ -39,9 +39,7 @@ the *predicted load* gives the replicas needed, not a threshold on one latency.
   its full capacity, besides the predicted load at the shrink's utilization). The running streams
   are projected ``cooldown_s`` ahead along their moving rate of change when they fall: a replica
   given back keeps its streams while it drains, until they end or the router's
-  ``--drain-move-after-s`` moves them, and at a load change the old streams end at the rate they came;
-  a replica's share of the running streams when it was given back is counted while it drains (the
-  planner scrapes serving replicas only, and those streams come back at the deadline). The ITL is the
+  ``--drain-move-after-s`` moves them, and at a load change the old streams end at the rate they came. The ITL is the
   interval's *mean* (the router histogram's sum / count, exact): a percentile read off buckets of 5
   and 10 ms cannot say whether 6 ms was kept.
 - **correction**: when the observed TTFT (ITL) p90 breaks its SLO although the model says the
@@ -242,10 +240,6 @@ class Planner:
     _last_running: float | None = None
     _last_at_s: float | None = None
     running_slope: float = 0.0
-    # Streams still running on decode replicas given back and draining (the planner scrapes serving
-    # replicas only): a replica's share of the running streams when it was given back; 0 once no
-    # decode replica drains. They come back to the replicas left at the router's move deadline.
-    draining_streams: float = 0.0
     # Moving sums of finished requests' generated tokens and their max_tokens (their ratio: the share
     # of max_tokens a request uses); 0 until one finished.
     _finished_output: float = 0.0
@@ -272,9 +266,6 @@ class Planner:
             reasons[role] = Reason.AT_MAX
         self._rebalance(obs, targets, reasons, now_s)
         changed = targets != obs.replicas
-        if targets["decode"] < obs.replicas["decode"]:
-            running = obs.decode_streams if obs.decode_running is None else obs.decode_running
-            self.draining_streams += running / obs.replicas["decode"]
         for role in ROLES:
             if targets[role] != obs.replicas[role]:
                 self._roles[role] = _RoleState(changed_at_s=now_s)
@@ -308,8 +299,6 @@ class Planner:
         serving_now = obs.serving or obs.replicas
         running = obs.decode_streams if obs.decode_running is None else obs.decode_running
         draining = (obs.held or obs.replicas)["decode"] > obs.replicas["decode"]
-        if not draining:
-            self.draining_streams = 0.0
         if self._last_running is not None and self._last_at_s is not None and now_s > self._last_at_s \
                 and serving_now == self._last_serving and not draining:
             # Only while the same decode workers serve and none drains: a replica that comes or goes
@@ -385,10 +374,8 @@ class Planner:
 
     def projected_running(self, running: float) -> float:
         """The running decode streams ``cooldown_s`` ahead along their moving rate of change, when
-        they fall (never when they rise: a give-back is checked against the larger), with those on
-        draining replicas, which fall alike."""
-        ahead = max(0.0, running + min(0.0, self.running_slope) * self.config.cooldown_s)
-        return ahead + self.draining_streams * (ahead / running if running > 0 else 1.0)
+        they fall (never when they rise: a give-back is checked against the larger)."""
+        return max(0.0, running + min(0.0, self.running_slope) * self.config.cooldown_s)
 
     def _decode_fits(self, replicas: int, utilization: float, obs: Observation) -> bool:
         """Whether ``replicas`` decode workers carry the predicted load at ``utilization`` of their

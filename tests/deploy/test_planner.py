@@ -465,25 +465,3 @@ def test_learns_decode_capacity_above_the_profiles_fixed_step_part(tmp_path):
     planner = Planner(CONFIG, KNOWN)
     run(planner, [obs(1, 1, decode_streams=8, itl_mean_s=0.045)] * 2)
     assert planner.capacity.decode_streams == pytest.approx(0.5 * (10 + 8 * 50 / 45))
-
-
-def test_decode_counts_the_streams_of_a_replica_it_gave_back_while_that_drains():
-    # As above: decode trades one replica to prefill at 24 running streams (falling 2 a second). The
-    # replica given back keeps its ~8 streams while it drains, out of the planner's sight (it scrapes
-    # serving replicas); they move to the replicas left at the router's deadline. The second trade
-    # (2 -> 1) counts them, projected alike: at 12 visible, 6.75 + 4.5 ahead > 10, so it waits an
-    # interval (at 10: 4.75 + 3.8). Without them it went at 12.
-    hot = dict(prompt_tokens_per_s=2500, prefill_tokens_per_s=1000, prefill_busy_tokens_per_s=1000,
-               prefill_waiting=10, ttft_p90_s=2.0, itl_mean_s=0.03)
-    docs = dict(max_tokens_per_s=100, finished_output_tokens=64, finished_max_tokens=64)
-    planner = Planner(BUDGET, KNOWN)
-    ds = [planner.decide(obs(1, 3, decode_streams=30 - 2 * i, **hot, **docs), float(i)) for i in range(4)]
-    assert ds[3].targets["decode"] == 2 and planner.draining_streams == pytest.approx(8.0)
-    for i, visible in zip(range(4, 8), (16, 14, 12, 10)):
-        ds.append(planner.decide(obs(1, 2, decode_streams=visible, held={"prefill": 1, "decode": 3}, **hot, **docs),
-                                 float(i)))
-    assert [d.targets["decode"] for d in ds[4:]] == [2, 2, 2, 1]
-    assert ds[7].reasons["decode"] == Reason.REBALANCE
-    # Once no decode replica drains, nothing is counted beside what is scraped.
-    planner.decide(obs(1, 1, decode_streams=10, **hot, **docs), 8.0)
-    assert planner.draining_streams == 0.0
