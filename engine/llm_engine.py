@@ -250,6 +250,11 @@ class LLMEngine:
         return self.runner.arch
 
     @property
+    def on_cpu(self) -> bool:
+        """The model runs on CPU (a worker may bind its torch threads to cores)."""
+        return self.runner.device.type == "cpu"
+
+    @property
     def model_source(self) -> ModelSource:
         return self.runner.source
 

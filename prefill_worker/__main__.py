@@ -34,7 +34,7 @@ def build(worker, model_config, cache_config, scheduler_config, parallel_config)
     name = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
     return WorkerParts(loop, [partial(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer)],
                        [name], metrics, close, parallel_config.tensor_parallel_size, prepare=engine.tune_kernels,
-                       on_cpu=engine.runner.device.type == "cpu")
+                       on_cpu=engine.on_cpu)
 
 
 def follow(worker, runner: ModelRunner) -> PrefillRank:

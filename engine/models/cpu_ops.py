@@ -110,12 +110,19 @@ class LayerOps:
         worker on a node would bind to the same first CPUs and leave the others idle. [] (nothing
         bound) then, for a team of one, or when the kernel refused."""
         allowed = sorted(os.sched_getaffinity(0))
-        if num_threads < 2 or num_threads != len(allowed):
+        if not cpus_to_bind(num_threads, allowed):
             return []
         cpus = (ctypes.c_int * num_threads)(*allowed[:num_threads])
         every = (ctypes.c_int * len(allowed))(*allowed)
         bound = self._bind_team(ctypes.addressof(cpus), num_threads, ctypes.addressof(every), len(allowed))
         return allowed[:bound] if bound > 0 else []
+
+
+def cpus_to_bind(num_threads: int, allowed: list[int]) -> list[int]:
+    """The CPUs a team of ``num_threads`` is bound to, in thread order, when the process may use
+    ``allowed``: every one of them when there is one thread for each, else none (see
+    ``LayerOps.bind_threads``)."""
+    return list(allowed) if 1 < num_threads == len(allowed) else []
 
 
 def _threads(num_tokens: int) -> int:
