@@ -91,6 +91,30 @@ FALL_INTERVALS = 3
 FALL_FRACTION = 1 / 3
 
 
+@dataclass
+class FromFirstAverage:
+    """An exponential average that starts at the first non-zero value: its sum and its weight so far
+    (1 - (1 - w)^k over the k values since then), whose ratio is the average, so a new load's first
+    intervals are averaged as they are instead of against the zeros before them."""
+
+    total: float = 0.0
+    weight: float = 0.0
+
+    def add(self, value: float, w: float) -> None:
+        if self.weight > 0 or value > 0:
+            self.total = w * value + (1 - w) * self.total
+            self.weight = w + (1 - w) * self.weight
+
+    def restart(self, values: list[float], w: float) -> None:
+        """Start again as if ``values`` were all it had seen (their plain mean, at their weight)."""
+        self.weight = 1.0 - (1 - w) ** len(values)
+        self.total = self.weight * sum(values) / len(values)
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight else None
+
+
 class Reason(enum.IntEnum):
     """Why a role's target is what it is (exported as ``tandem_planner_reason``)."""
 
@@ -224,17 +248,13 @@ class Planner:
     capacity: Capacity = field(default_factory=Capacity)
     prompt_load: float | None = None        # moving average, prompt tokens/s
     stream_load: float | None = None        # moving average, decode streams counted on the workers
-    # The exponential average of max_tokens/s arriving, as its sum and its weight so far (1 - (1 - w)^k
-    # over the k intervals since the first arrival), whose ratio is asked_load: a new load's first
-    # intervals averaged as they are.
-    _asked_sum: float = 0.0
-    _asked_weight: float = 0.0
+    # The max_tokens/s arriving, averaged from the first arrival on (asked_load).
+    _asked: FromFirstAverage = field(default_factory=FromFirstAverage)
     # The newest intervals' max_tokens/s (up to FALL_INTERVALS of them), for the fall test below.
     _asked_recent: list[float] = field(default_factory=list)
-    # The prompt tokens/s arriving over the same window, as its sum and weight from the first prompt
-    # on (prompt_window_load): what a prefill give-back is checked against besides prompt_load.
-    _prompt_sum: float = 0.0
-    _prompt_weight: float = 0.0
+    # The prompt tokens/s arriving over the same window, from the first prompt on (prompt_window_load):
+    # what a prefill give-back is checked against besides prompt_load.
+    _prompt: FromFirstAverage = field(default_factory=FromFirstAverage)
     # The running (decoding) decode streams: the last count, when, and their moving rate of change
     # (streams/s, over intervals with the same replicas serving): the running streams' projection.
     _last_running: float | None = None
@@ -282,20 +302,16 @@ class Planner:
         # An exponential average with a time constant of arrival_window_s, at interval_s a step.
         w = 1.0 - math.exp(-self.config.interval_s / self.config.arrival_window_s) if self.config.arrival_window_s \
             else 1.0
-        if self._prompt_weight > 0 or obs.prompt_tokens_per_s > 0:
-            self._prompt_sum = w * obs.prompt_tokens_per_s + (1 - w) * self._prompt_sum
-            self._prompt_weight = w + (1 - w) * self._prompt_weight
-        if self._asked_weight > 0 or obs.max_tokens_per_s > 0:
+        self._prompt.add(obs.prompt_tokens_per_s, w)
+        if self._asked.weight > 0 or obs.max_tokens_per_s > 0:
             expected = self.asked_load
-            self._asked_sum = w * obs.max_tokens_per_s + (1 - w) * self._asked_sum
-            self._asked_weight = w + (1 - w) * self._asked_weight
+            self._asked.add(obs.max_tokens_per_s, w)
             self._asked_recent = [*self._asked_recent[1 - FALL_INTERVALS:], obs.max_tokens_per_s]
             recent = self._asked_recent
             if len(recent) == FALL_INTERVALS and sum(recent) < FALL_FRACTION * FALL_INTERVALS * expected:
                 # The arrivals fell (a load changed, not noise): the window starts again from these
                 # intervals, as if they were all it had seen.
-                self._asked_weight = 1.0 - (1 - w) ** FALL_INTERVALS
-                self._asked_sum = self._asked_weight * sum(recent) / FALL_INTERVALS
+                self._asked.restart(recent, w)
         serving_now = obs.serving or obs.replicas
         running = obs.decode_streams if obs.decode_running is None else obs.decode_running
         draining = (obs.held or obs.replicas)["decode"] > obs.replicas["decode"]
@@ -350,7 +366,7 @@ class Planner:
     @property
     def asked_load(self) -> float:
         """Moving average of the ``max_tokens``/s arriving, from the first arrival on (0 before)."""
-        return self._asked_sum / self._asked_weight if self._asked_weight else 0.0
+        return self._asked.value or 0.0
 
     @property
     def upper_streams(self) -> float:
@@ -370,7 +386,7 @@ class Planner:
     def prompt_window_load(self) -> float | None:
         """The prompt tokens/s arriving averaged over ``arrival_window_s`` from the first prompt on;
         None before one arrived."""
-        return self._prompt_sum / self._prompt_weight if self._prompt_weight else None
+        return self._prompt.value
 
     def projected_running(self, running: float) -> float:
         """The running decode streams ``cooldown_s`` ahead along their moving rate of change, when
