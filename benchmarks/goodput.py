@@ -5,8 +5,11 @@ vLLM's ``--goodput``): the measure P/D disaggregation exists for. The workload i
 mixed: Poisson arrivals of short chat-sized prompts with long documents among them
 (``tandem bench --dataset mixed``: ``--long-fraction`` of the prompts ``--long-len`` tokens, the
 rest ``--short-len``), every request ``--output-len`` tokens (ignore_eos). Each system is served
-on its own, one after the other, on the same cores, and the same client (``tandem bench``, same
-seed: the same prompts and arrival times for every system) runs every rate against it:
+on its own, one after the other, on the same cores, and the same client (``tandem bench``) runs
+every rate against it, with a seed of its own per rate: the same prompts and arrival times for
+every system at a rate, new prompts at each rate (one seed for all would send every rate after
+the first prompts the server still has in its prefix cache; the hits are counted per rate, as
+``prefix_hit_tokens``, and 0 is a clean run):
 
 - ``tandem``: ``tandem serve`` with its defaults (prompts prefilled on the decode worker up to
   its local-prefill threshold);
@@ -41,7 +44,7 @@ from pathlib import Path
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from benchmarks.vs_vllm import PEERS, serve, stop  # noqa: E402
+from benchmarks.vs_vllm import PEERS, prefix_hit_tokens, scenario_seed, serve, stop  # noqa: E402
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 SYSTEMS = {
@@ -52,7 +55,8 @@ SYSTEMS = {
                    "--local-prefill-max-tokens", "0"], 8000, "smollm2-135m-instruct", "Tandem is serving", 600),
     "vllm": (["bash", str(PEERS / "vllm_serve.sh")], 8100, "smollm2-135m", None, 900),
 }
-ROW = ("request_goodput", "completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms")
+ROW = ("request_goodput", "completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
+       "prefix_hit_tokens")
 
 
 def run_rate(name: str, port: int, model: str, rate: float, args: argparse.Namespace) -> dict:
@@ -60,11 +64,14 @@ def run_rate(name: str, port: int, model: str, rate: float, args: argparse.Names
     argv = [TANDEM, "bench", "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}", "--model", model,
             "--dataset", "mixed", "--short-len", str(args.short_len), "--long-len", str(args.long_len),
             "--long-fraction", str(args.long_fraction), "--output-len", str(args.output_len),
-            "--num-prompts", str(args.num_prompts), "--request-rate", str(rate), "--seed", str(args.seed),
+            "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+            "--seed", str(scenario_seed(args.seed, f"rate{rate:g}")),
             "--ignore-eos", "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
             "--timeout-s", "600", "--no-progress", "--json"]
+    hits = prefix_hit_tokens(name, port)
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
+    summary["prefix_hit_tokens"] = prefix_hit_tokens(name, port) - hits
     path.write_text(json.dumps(summary, indent=1))
     row = {k: summary.get(k) for k in ROW}
     print(f"[{name}] rate {rate:g}/s: " + ", ".join(f"{k} {_fmt(v)}" for k, v in row.items()), flush=True)

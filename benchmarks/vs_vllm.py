@@ -15,6 +15,14 @@ JSON per system and scenario, plus summary.json).
 A scenario is CONCURRENCY:NUM_PROMPTS:INPUT_LEN:OUTPUT_LEN. ``--vllm-results DIR`` reuses the
 vLLM JSONs of an earlier run (vLLM does not change between Tandem commits). Run it on a quiet
 machine: nothing else on the cores.
+
+Each scenario draws its prompts from its own seed (made from ``--seed`` and the scenario):
+vLLM's random dataset gives one seed the same leading prompts whatever their count or length, so
+one seed for all would send a later scenario prompts that begin like an earlier one's, and each
+server's prefix cache (vLLM keeps 4 GiB of it, Tandem 1 GiB) would skip part of the work it is
+timed on. Both systems still get the same prompts in every scenario. The prompt tokens each
+server found in its prefix cache are printed per scenario (vLLM's ``vllm:prefix_cache_hits``
+counter, Tandem's workers' counts in ``/v1/cluster``): 0 is a clean run.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -103,17 +112,37 @@ def cpu_split(before: dict[int, tuple[str, int]], after: dict[int, tuple[str, in
     return dict(sorted(((k, round(v, 1)) for k, v in used.items() if v >= 0.5), key=lambda kv: -kv[1]))
 
 
-def run_scenarios(name: str, port: int, scenarios: list[tuple[int, ...]], out: Path) -> dict[str, dict]:
+def scenario_seed(base: int, key: str) -> int:
+    """The seed of one scenario's prompts: the same for both systems and wherever the scenario
+    stands in the list, different from every other scenario's (module docstring)."""
+    return zlib.crc32(f"{key}:{base}".encode())
+
+
+def prefix_hit_tokens(name: str, port: int) -> int:
+    """Prompt tokens the server has found in its prefix cache since it started."""
+    if name == "vllm":
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("vllm:prefix_cache_hits_total")))
+    time.sleep(2.0)   # the router's view of its workers is as fresh as their last heartbeat (1 s)
+    workers = httpx.get(f"http://127.0.0.1:{port}/v1/cluster", timeout=10).json()["workers"]
+    return sum(w["prefix_cache_hits"] for w in workers)
+
+
+def run_scenarios(name: str, port: int, scenarios: list[tuple[int, ...]], out: Path, seed: int) -> dict[str, dict]:
     results = {}
     for conc, num, inp, outp in scenarios:
         key = f"c{conc}_n{num}_in{inp}_out{outp}"
         path = out / f"{name}_{key}.json"
         print(f"[{name}] {key} ...", flush=True)
+        hits = prefix_hit_tokens(name, port)
         before = cpu_snapshot()
         subprocess.run(["bash", str(PEERS / "bench.sh"), str(port), str(path), str(conc), str(num), str(inp),
-                        str(outp)], check=True, stdout=subprocess.DEVNULL)
+                        str(outp)], check=True, stdout=subprocess.DEVNULL,
+                       env=os.environ | {"SEED": str(scenario_seed(seed, key))})
         cpu = cpu_split(before, cpu_snapshot())
-        results[key] = summarize(json.loads(path.read_text()), num) | {"cpu_s": cpu}
+        results[key] = summarize(json.loads(path.read_text()), num) | {
+            "cpu_s": cpu, "prefix_hit_tokens": prefix_hit_tokens(name, port) - hits}
         print(f"[{name}] {key}: {results[key]}", flush=True)
     return results
 
@@ -153,6 +182,9 @@ def print_table(tandem: dict[str, dict], vllm: dict[str, dict]) -> None:
               f"{v['median_ttft_ms']:>8.0f}/{v['p99_ttft_ms']:<9.0f} "
               f"{t['median_tpot_ms']:>6.1f}/{t['p99_tpot_ms']:<8.1f} "
               f"{v['median_tpot_ms']:>6.1f}/{v['p99_tpot_ms']:<8.1f}")
+    print("Prompt tokens found in the prefix cache (Tandem | vLLM; 0 is a clean run): " + ", ".join(
+        f"{key} {tandem[key].get('prefix_hit_tokens', '-')} | {(vllm.get(key) or {}).get('prefix_hit_tokens', '-')}"
+        for key in tandem))
     print("CPU seconds per process during each scenario (Tandem | vLLM):")
     for key in tandem:
         cpu_t, cpu_v = tandem[key].get("cpu_s", {}), (vllm.get(key) or {}).get("cpu_s", {})
@@ -169,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tandem-port", type=int, default=8000)
     parser.add_argument("--vllm-port", type=int, default=8100)
     parser.add_argument("--out", type=Path, default=Path("/tmp/tandem-vs-vllm"))
+    parser.add_argument("--seed", type=int, default=0, help="base of every scenario's prompt seed")
     args = parser.parse_args(argv)
     scenarios = [tuple(int(x) for x in s.split(":")) for s in args.scenarios.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
@@ -179,20 +212,24 @@ def main(argv: list[str] | None = None) -> int:
         proc, summary["tandem_startup_s"] = serve("tandem", tandem, args.tandem_port, args.out / "tandem.log", 600,
                                                  ready_text="Tandem is serving")
         try:
-            summary["tandem"] = run_scenarios("tandem", args.tandem_port, scenarios, args.out)
+            summary["tandem"] = run_scenarios("tandem", args.tandem_port, scenarios, args.out, args.seed)
         finally:
             stop(proc)
     if args.vllm_results is not None:
+        earlier = args.vllm_results / "summary.json"
+        earlier_rows = json.loads(earlier.read_text()).get("vllm", {}) if earlier.exists() else {}
         for conc, num, inp, outp in scenarios:
             key = f"c{conc}_n{num}_in{inp}_out{outp}"
             path = args.vllm_results / f"vllm_{key}.json"
-            if path.exists():
+            if key in earlier_rows:   # with its CPU seconds and prefix-cache hits
+                summary["vllm"][key] = earlier_rows[key]
+            elif path.exists():
                 summary["vllm"][key] = summarize(json.loads(path.read_text()), num)
     elif args.only != "tandem":
         vllm = ["bash", str(PEERS / "vllm_serve.sh")]
         proc, summary["vllm_startup_s"] = serve("vllm", vllm, args.vllm_port, args.out / "vllm.log", 900)
         try:
-            summary["vllm"] = run_scenarios("vllm", args.vllm_port, scenarios, args.out)
+            summary["vllm"] = run_scenarios("vllm", args.vllm_port, scenarios, args.out, args.seed)
         finally:
             stop(proc)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))

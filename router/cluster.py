@@ -20,5 +20,7 @@ def cluster_view(registry: WorkerRegistry, addresses: bool = False) -> list[dict
                     "num_waiting": s.num_waiting if s else 0, "kv_blocks_used": s.kv_blocks_used if s else 0,
                     "kv_blocks_total": s.kv_blocks_total if s else 0, "kv_usage": w.kv_usage,
                     "max_model_len": s.max_model_len if s else 0, "draining": w.draining,
-                    "num_requests": w.num_requests})
+                    "num_requests": w.num_requests,
+                    "prefix_cache_queries": s.prefix_cache_queries if s else 0,
+                    "prefix_cache_hits": s.prefix_cache_hits if s else 0})
     return out

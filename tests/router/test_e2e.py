@@ -74,6 +74,29 @@ def test_openai_client_sdk_and_streaming_agree(cluster):
     assert httpx.get(f"http://{router.http_address}/v1/cluster").json()["workers"][0]["model"]
 
 
+def test_cluster_view_counts_the_workers_prefix_cache_hits(cluster):
+    """/v1/cluster carries each worker's prefix-cache tokens looked up and found (benchmarks read
+    it to tell a cached prompt from a computed one)."""
+    router, _ = cluster
+    client = _client(router)
+    url = f"http://{router.http_address}/v1/cluster"
+
+    def hits() -> tuple[int, int]:
+        workers = httpx.get(url).json()["workers"]
+        return sum(w["prefix_cache_hits"] for w in workers), sum(w["prefix_cache_queries"] for w in workers)
+
+    before = hits()
+    prompt = " ".join(f"word{i}" for i in range(60))   # several full KV blocks
+    for _ in range(2):
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+    deadline = time.monotonic() + 10
+    while hits()[0] == before[0]:
+        assert time.monotonic() < deadline, f"no prefix-cache hit counted: {hits()} (before: {before})"
+        time.sleep(0.2)
+    found, asked = hits()
+    assert found - before[0] >= 48 and asked - before[1] >= found - before[0]
+
+
 def test_tandem_bench_against_the_real_stack(cluster, tmp_path):
     """`tandem bench` drives the router (over HTTP and gRPC) in front of real workers."""
     router, _ = cluster

@@ -199,7 +199,7 @@ class GetClusterRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("role", "address", "model", "healthy", "num_inflight", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "max_model_len", "draining", "num_requests")
+    __slots__ = ("role", "address", "model", "healthy", "num_inflight", "num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "max_model_len", "draining", "num_requests", "prefix_cache_queries", "prefix_cache_hits")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +213,8 @@ class WorkerStatus(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     model: str
@@ -226,7 +228,9 @@ class WorkerStatus(_message.Message):
     max_model_len: int
     draining: bool
     num_requests: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_usage: _Optional[float] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_requests: _Optional[int] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., model: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_inflight: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_usage: _Optional[float] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., num_requests: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class GetClusterResponse(_message.Message):
     __slots__ = ("workers",)
