@@ -4,10 +4,12 @@ Keeps CONCURRENCY requests of INPUT random token ids in flight (a finished one i
 once) until NUM have run, each generating OUTPUT tokens (ignore_eos), by calling
 ``LLMEngine.step()`` in a loop: the same scenarios as ``benchmarks/vs_vllm.py`` with no router,
 gRPC or client beside the engine. Compare its tok/s with the served number to split a gap into
-the engine's share and the serving path's (docs/performance.md).
+the engine's share and the serving path's (docs/performance.md). Requests sample at
+``--temperature`` 1.0 by default, as served ones do under vLLM's client (it sends no temperature,
+and the server's default is 1.0); 0 is greedy.
 
     python benchmarks/engine_closed_loop.py CONCURRENCY NUM INPUT OUTPUT [--chunked-prefill-size 512]
-        [--dtype auto] [--threads 2] [--model smollm2-135m-instruct]
+        [--dtype auto] [--threads 2] [--temperature 1.0] [--model smollm2-135m-instruct]
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunked-prefill-size", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--model", default="smollm2-135m-instruct")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -45,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.tune_kernels()   # as a worker does before it reports ready: not inside the timed loop
     rng = random.Random(0)
     vocab = engine.runner.arch.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=args.output, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output, ignore_eos=True)
     sent = 0
 
     def add() -> None:

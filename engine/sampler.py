@@ -15,19 +15,29 @@ row under its own ``SamplingParams``. The order follows vLLM:
    probability exceeds ``u x total``. The uniform of a row comes from that request's own
    generator when it has one, so a seed gives the same tokens whatever else shares the batch.
    (One draw per row instead of an exponential race over the whole vocabulary: drawing 49152
-   exponentials per row took ~20% of a batch-16 decode step on CPU.)
+   exponentials per row took ~20% of a batch-16 decode step on CPU.) On CPU, step 4 after the
+   draw runs in C (``engine/csrc/sampling.c``: a few passes over each row, top-p sorting only
+   the tokens near the top) instead of a dozen full-vocabulary torch ops and a full sort; the
+   torch path stays the rule's reference and the fallback when the library cannot be built.
 
 Stop conditions (eos, stop ids, max_tokens) are the scheduler's job, not this module's.
 The common case, an all-greedy batch with no penalties and no logprobs, is a single argmax.
 """
 from __future__ import annotations
 
+import ctypes
+import logging
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
 from engine.config import SamplingParams
+from engine.native import CSRC, KernelBuildError, build
 from engine.structured import GrammarState, apply_grammar_masks
+
+logger = logging.getLogger(__name__)
+SAMPLING_ABI_VERSION = 1
 
 
 @dataclass
@@ -201,27 +211,23 @@ class Sampler:
         sampled_logprobs, top_logprobs = _raw_logprobs(logits, token_ids, params)
         return SamplerOutput(token_ids.tolist(), sampled_logprobs, top_logprobs)
 
+    @staticmethod
+    def build_native() -> bool:
+        """Compile (or find) the C sampler; whether CPU rows will use it."""
+        return _native() is not None
+
     def _sample(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
-        """Temperature, filters and the exponential race for rows that all sample randomly."""
-        device = logits.device
-        params = [r.params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
-        logits = logits / temperature.to(device, non_blocking=True).unsqueeze(1)
+        """Temperature, filters and the inverse-CDF draw for rows that all sample randomly."""
+        uniform = self._uniforms(requests, logits.device)
+        native = _native() if logits.device.type == "cpu" else None
+        if native is not None:
+            token_ids = native(logits, [r.params for r in requests], uniform)
+            if token_ids is not None:
+                return token_ids
+        return sample_by_inverse_cdf(logits, [r.params for r in requests], uniform)
 
-        use_top_k = any(p.top_k > 0 for p in params)
-        use_top_p = any(p.top_p < 1.0 for p in params)
-        use_min_p = any(p.min_p > 0.0 for p in params)
-        if use_top_k or use_top_p or use_min_p:
-            logits = apply_top_k_top_p_min_p(
-                logits,
-                _row_tensor([p.top_k for p in params], torch.long, device) if use_top_k else None,
-                _row_tensor([p.top_p for p in params], torch.float32, device) if use_top_p else None,
-                _row_tensor([p.min_p for p in params], torch.float32, device) if use_min_p else None,
-            )
-        probs = logits.softmax(dim=-1)
-
-        # Inverse CDF: the first token whose cumulative probability exceeds u * total (right=True:
-        # a zero-probability token never matches, not even for u = 0).
+    def _uniforms(self, requests: list[SamplingRequest], device: torch.device) -> torch.Tensor:
+        """One uniform in [0, 1) per row: from the request's own generator, else the shared one."""
         uniform = torch.empty(len(requests), 1, dtype=torch.float32, device=device)
         shared_rows = [i for i, r in enumerate(requests) if r.generator is None]
         if len(shared_rows) == len(requests):
@@ -232,11 +238,7 @@ class Sampler:
         for i, request in enumerate(requests):
             if request.generator is not None:
                 uniform[i] = torch.rand(1, dtype=torch.float32, device=device, generator=request.generator)
-        cdf = probs.cumsum(dim=-1)
-        total = cdf[:, -1:]
-        # Strictly below the total, so the match is a token whose probability is not zero.
-        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, target, right=True).squeeze(1)
+        return uniform
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._shared_generators.get(device)
@@ -245,6 +247,75 @@ class Sampler:
             assert generator is not None   # the shared seed is an int
             self._shared_generators[device] = generator
         return generator
+
+
+def sample_by_inverse_cdf(logits: torch.Tensor, params: list[SamplingParams], uniform: torch.Tensor) -> torch.Tensor:
+    """Step 4 of the module docstring in torch, for rows that all sample randomly: divide by the
+    temperature, filter, and take the first token whose cumulative probability exceeds ``u x
+    total`` (``uniform``: ``[B, 1]``)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+    logits = logits / temperature.to(device, non_blocking=True).unsqueeze(1)
+
+    use_top_k = any(p.top_k > 0 for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    use_min_p = any(p.min_p > 0.0 for p in params)
+    if use_top_k or use_top_p or use_min_p:
+        logits = apply_top_k_top_p_min_p(
+            logits,
+            _row_tensor([p.top_k for p in params], torch.long, device) if use_top_k else None,
+            _row_tensor([p.top_p for p in params], torch.float32, device) if use_top_p else None,
+            _row_tensor([p.min_p for p in params], torch.float32, device) if use_min_p else None,
+        )
+    probs = logits.softmax(dim=-1)
+    # Inverse CDF: the first token whose cumulative probability exceeds u * total (right=True:
+    # a zero-probability token never matches, not even for u = 0).
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the match is a token whose probability is not zero.
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+class _NativeSampler:
+    """``sample_by_inverse_cdf`` in C on CPU (engine/csrc/sampling.c), with torch's threads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        if lib.tandem_sampling_abi_version() != SAMPLING_ABI_VERSION:
+            raise KernelBuildError(f"sampling ABI {lib.tandem_sampling_abi_version()}, "
+                                   f"expected {SAMPLING_ABI_VERSION}")
+        self._rows = lib.tandem_sample_rows
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._rows.argtypes = [p, i64, i64, i64, p, p, p, p, p, p, ctypes.c_int]
+        self._rows.restype = ctypes.c_int
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 uniform: torch.Tensor) -> torch.Tensor | None:
+        """The rows' tokens; None when a row has no token of probability above 0 (the caller
+        takes the torch path, whatever that makes of it)."""
+        logits = logits.contiguous()
+        num_rows, vocab = logits.shape
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        uniform = uniform.reshape(-1).contiguous()
+        out = torch.empty(num_rows, dtype=torch.int64)
+        status = self._rows(logits.data_ptr(), logits.stride(0), num_rows, vocab, temperature.data_ptr(),
+                            top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(),
+                            out.data_ptr(), torch.get_num_threads())
+        if status == -2:
+            raise MemoryError(f"sampling scratch for a vocabulary of {vocab}")
+        return out if status == 0 else None
+
+
+@lru_cache(maxsize=1)
+def _native() -> _NativeSampler | None:
+    try:
+        return _NativeSampler(ctypes.CDLL(str(build(CSRC / "sampling.c"))))
+    except (KernelBuildError, OSError) as exc:
+        logger.warning("C sampler unavailable, sampling with torch ops: %s", exc)
+        return None
 
 
 def _mask_by_grammar(logits: torch.Tensor, rows: list[int], grammars: list[GrammarState]) -> torch.Tensor:

@@ -38,9 +38,11 @@ if [ "$nixl" = 1 ]; then
     $py -m pip install -q --no-deps "nixl-cu${cuda_major}==1.5.1"
     $py -c "from kvtransfer.nixl import bindings; bindings()"
 fi
-# Compile the CPU kernels (paged attention, fused layer ops) now rather than in the first worker;
+# Compile the CPU kernels (paged attention, fused layer ops, sampler) now rather than in the first worker;
 # without a C compiler the CPU path falls back to torch ops, so a failure only warns.
 $py -m engine.attention.cpu_backend --build \
     || echo "warning: CPU attention kernels not built (needs gcc); the torch attention backend will be used" >&2
 $py -c "from engine.models import cpu_ops; import sys; sys.exit(cpu_ops.load() is None)" \
     || echo "warning: CPU layer ops not built (needs gcc); torch ops will be used" >&2
+$py -c "from engine.sampler import Sampler; import sys; sys.exit(not Sampler.build_native())" \
+    || echo "warning: C sampler not built (needs gcc); torch ops will sample" >&2

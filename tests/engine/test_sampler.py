@@ -324,3 +324,41 @@ def test_inverse_cdf_never_picks_a_zero_probability_token_at_the_edges(monkeypat
     edges = torch.tensor([[0.0], [1.0 - 2.0 ** -24]])
     monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, generator=None: self.copy_(edges))
     assert Sampler()(logits, requests).token_ids == [2, 5]
+
+
+@pytest.mark.parametrize("knobs", [
+    {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9}, {"temperature": 1.3, "top_k": 50},
+    {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, {"temperature": 1.0, "min_p": 0.1},
+    {"temperature": 0.6, "top_p": 0.5}, {"temperature": 1.0, "top_k": 1},
+])
+@pytest.mark.parametrize("spread", [3.0, 0.05])   # peaked rows, and rows near flat (top-p then sorts them all)
+def test_the_c_sampler_draws_what_the_torch_rule_draws(knobs, spread):
+    """engine/csrc/sampling.c against sample_by_inverse_cdf, the same uniforms: the same token in
+    every row (they may differ only where rounding puts u or a top-p cut exactly on a boundary)."""
+    from engine.sampler import _native, sample_by_inverse_cdf
+
+    native = _native()
+    if native is None:
+        pytest.skip("the C sampler did not build here")
+    g = torch.Generator().manual_seed(int(spread * 100) + len(knobs))
+    logits = torch.randn(96, 3001, generator=g) * spread
+    logits[:, 17] = float("-inf")             # a masked token in every row
+    logits[::5, :2000] = float("-inf")        # rows that keep only their last 1001 tokens
+    params = [SamplingParams(**knobs) for _ in range(96)]
+    uniform = torch.rand(96, 1, generator=g)
+    uniform[0, 0], uniform[1, 0] = 0.0, 1.0 - 2.0 ** -24
+    got = native(logits, params, uniform)
+    assert got is not None
+    assert got.tolist() == sample_by_inverse_cdf(logits, params, uniform).tolist()
+    assert not (got == 17).any()
+
+
+def test_the_c_sampler_leaves_rows_with_nothing_to_draw_to_the_torch_path():
+    from engine.sampler import _native
+
+    native = _native()
+    if native is None:
+        pytest.skip("the C sampler did not build here")
+    logits = torch.zeros(2, 64)
+    logits[1] = float("-inf")
+    assert native(logits, [SamplingParams(temperature=1.0)] * 2, torch.full((2, 1), 0.5)) is None
