@@ -19,6 +19,16 @@ static inline __m512 exp_reduced_512(__m512 f, __m512 n) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* e^x for x in float32 range: x = n ln2 + r, |r| <= ln2 / 2 (ln2 in two parts), then
+ * exp_reduced_512. */
+static inline __m512 exp_512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);   /* ln2 in two parts */
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    return exp_reduced_512(r, n);
+}
 #else
 #define HAVE_AVX512 0
 #endif

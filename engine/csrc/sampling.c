@@ -28,16 +28,6 @@
 
 int tandem_sampling_abi_version(void) { return ABI_VERSION; }
 
-#if HAVE_AVX512
-static inline __m512 exp_512(__m512 x) {   /* e^x, x <= 0 (the reduction of layer_ops.c) */
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
-    return exp_reduced_512(r, n);
-}
-#endif
-
 /* e[i] = exp(z[i] - zmax), exactly 0 where z[i] is -inf; z[i] - zmax is clamped at -100 first
  * (e^-100 is ~4e-44: a probability that never wins a draw, as in float32 softmax). */
 static void exp_shifted(const float *restrict z, float *restrict e, int64_t n, float zmax) {
