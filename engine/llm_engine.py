@@ -106,7 +106,7 @@ class LLMEngine:
             self.runner = ModelRunner(model_config, cache_config, scheduler_config.chunked_prefill_size,
                                       parallel_config)
             self.sampler = Sampler()
-            if self.runner.device.type == "cpu":
+            if self.on_cpu:
                 Sampler.build_native()   # compile now, not inside the first sampled step
         try:
             self.tokenizer = Tokenizer.from_model(str(self.runner.source.path))

@@ -219,12 +219,13 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, requests: list[SamplingRequest]) -> torch.Tensor:
         """Temperature, filters and the inverse-CDF draw for rows that all sample randomly."""
         uniform = self._uniforms(requests, logits.device)
+        params = [r.params for r in requests]
         native = _native() if logits.device.type == "cpu" else None
         if native is not None:
-            token_ids = native(logits, [r.params for r in requests], uniform)
+            token_ids = native(logits, params, uniform)
             if token_ids is not None:
                 return token_ids
-        return sample_by_inverse_cdf(logits, [r.params for r in requests], uniform)
+        return sample_by_inverse_cdf(logits, params, uniform)
 
     def _uniforms(self, requests: list[SamplingRequest], device: torch.device) -> torch.Tensor:
         """One uniform in [0, 1) per row: from the request's own generator, else the shared one."""

@@ -110,12 +110,13 @@ class LayerOps:
         worker on a node would bind to the same first CPUs and leave the others idle. [] (nothing
         bound) then, for a team of one, or when the kernel refused."""
         allowed = sorted(os.sched_getaffinity(0))
-        if not cpus_to_bind(num_threads, allowed):
+        targets = cpus_to_bind(num_threads, allowed)
+        if not targets:
             return []
-        cpus = (ctypes.c_int * num_threads)(*allowed[:num_threads])
+        cpus = (ctypes.c_int * num_threads)(*targets)
         every = (ctypes.c_int * len(allowed))(*allowed)
         bound = self._bind_team(ctypes.addressof(cpus), num_threads, ctypes.addressof(every), len(allowed))
-        return allowed[:bound] if bound > 0 else []
+        return targets[:bound] if bound > 0 else []
 
 
 def cpus_to_bind(num_threads: int, allowed: list[int]) -> list[int]:
