@@ -131,7 +131,7 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return torch_backend.prefill_attention(query, k_cache, v_cache, block_tables,
                                                query_start_loc, seq_lens, scale)
     starts, lens = _int32(query_start_loc), _int32(seq_lens)
-    if _amx_prefill(query, k_cache):
+    if _amx_prefill(query, k_cache, scale):
         return _run(load_kernels().tandem_paged_prefill_amx, query, k_cache, v_cache, block_tables, lens, starts, scale)
     if _AMX and query.dtype == torch.bfloat16:
         long = (starts[1:] - starts[:-1]) >= SDPA_MIN_CHUNK
@@ -143,11 +143,12 @@ def prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return _run(load_kernels().tandem_paged_prefill, query, k_cache, v_cache, block_tables, lens, starts, scale)
 
 
-def _amx_prefill(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this bfloat16 prefill runs on the AMX kernel (module docstring)."""
+def _amx_prefill(query: torch.Tensor, k_cache: torch.Tensor, scale: float) -> bool:
+    """Whether this bfloat16 prefill runs on the AMX kernel (module docstring; it takes a step's
+    max over unscaled scores, so the scale must be positive)."""
     head_dim, block_size = k_cache.shape[-1], k_cache.shape[1]
     return (_AMX and query.dtype == k_cache.dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 256
-            and block_size % 16 == 0 and bool(load_kernels().tandem_prefill_amx_ready()))
+            and block_size % 16 == 0 and scale > 0 and bool(load_kernels().tandem_prefill_amx_ready()))
 
 
 def _split_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -122,6 +122,19 @@ static inline __m512 exp2_softmax_512(__m512 x) {
     __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.6931471805599453f));
     return exp_reduced_512(f, n);
 }
+
+/* 2^x for finite x up to 127, for softmax weights that are rounded to bfloat16 next (8
+ * significant bits, a relative step of 2^-8): 2^n * 2^f with n = round(x) and a degree-3
+ * polynomial of 2^f on [-0.5, 0.5] fitted for the least largest relative error (7.5e-5, against
+ * exp2_softmax_512's 2e-7 from twice the work). -inf gives NaN: mask such lanes afterwards. */
+static inline __m512 exp2_weights_512(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.05517080361273978f), f, _mm512_set1_ps(0.24260927398462456f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6932609565340911f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999281901548591f));
+    return _mm512_scalef_ps(p, n);
+}
 #endif
 
 /* Online softmax over one row's tile of log2-domain scores: turns scores[0..n) into weights
@@ -1152,14 +1165,24 @@ static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int 
          * lane's own position (the diagonal) need the causal mask. */
         const int diagonal = k0 + nk - 1 > context + t0;
         const __m512 scale = _mm512_set1_ps(job->scale_log2);
-        __m512 step_max = _mm512_set1_ps(-INFINITY);
-        for (int j = 0; j < nk; j++) {
-            __m512 s = _mm512_mul_ps(_mm512_load_ps(scores + j * 16), scale);
-            if (diagonal)
-                s = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last_key),
-                                         _mm512_set1_ps(-INFINITY), s);
-            step_max = _mm512_max_ps(step_max, s);
+        /* The step's max over raw scores, then scaled (scale > 0, checked by the caller): four
+         * chains, so the maxes do not wait on each other's latency. */
+        __m512 lane_max[4];
+        for (int c = 0; c < 4; c++) lane_max[c] = _mm512_set1_ps(-INFINITY);
+        if (diagonal) {
+            for (int j = 0; j < nk; j++)
+                lane_max[j & 3] = _mm512_mask_max_ps(lane_max[j & 3],
+                                                     _mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j), last_key),
+                                                     lane_max[j & 3], _mm512_load_ps(scores + j * 16));
+        } else {
+            int j = 0;
+            for (; j + 4 <= nk; j += 4)
+                for (int c = 0; c < 4; c++)
+                    lane_max[c] = _mm512_max_ps(lane_max[c], _mm512_load_ps(scores + (j + c) * 16));
+            for (; j < nk; j++) lane_max[0] = _mm512_max_ps(lane_max[0], _mm512_load_ps(scores + j * 16));
         }
+        const __m512 step_max = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(lane_max[0], lane_max[1]),
+                                                            _mm512_max_ps(lane_max[2], lane_max[3])), scale);
         /* Lazy rescaling: a lane's reference max moves only when this step's max passes it by
          * more than AMX_RESCALE_LOG2 (weights then stay below 2^AMX_RESCALE_LOG2, far inside
          * float32 and bfloat16 range), so most steps skip rescaling the accumulator. Every lane
@@ -1179,7 +1202,7 @@ static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int 
             for (int e = 0; e < 2; e++) {
                 if (j + e < nk) {
                     /* 2^(s - max): s * scale - max in one fused step */
-                    p[e] = exp2_softmax_512(_mm512_fmsub_ps(_mm512_load_ps(scores + (j + e) * 16), scale, running_max));
+                    p[e] = exp2_weights_512(_mm512_fmsub_ps(_mm512_load_ps(scores + (j + e) * 16), scale, running_max));
                     if (diagonal)
                         p[e] = _mm512_maskz_mov_ps(_mm512_cmple_epi32_mask(_mm512_set1_epi32(k0 + j + e), last_key), p[e]);
                     running_sum = _mm512_add_ps(running_sum, p[e]);
@@ -1226,7 +1249,7 @@ int tandem_paged_prefill_amx(const queries_t *qs, const kv_cache_t *kv, const se
 #else
     const int d = kv->head_dim, num_seqs = seqs->num_seqs;
     if (!amx_permitted() || qs->dtype != DTYPE_BFLOAT16 || kv->dtype != DTYPE_BFLOAT16 || d % 32
-        || d > AMX_MAX_HEAD_DIM || kv->block_size % 16)
+        || d > AMX_MAX_HEAD_DIM || kv->block_size % 16 || !(scale > 0.0f))
         return ERR_UNSUPPORTED;
     const int group = kv->num_kv_heads > 0 ? qs->num_heads / kv->num_kv_heads : 0;
     if (group < 1 || group * kv->num_kv_heads != qs->num_heads) return ERR_BAD_SHAPE;
