@@ -22,7 +22,8 @@ over a 2048-token context 3.70 / 13.9 / 5.92, 8 x 128: 0.88 / 1.53 / 1.33, 8 x 6
 0.83, 16 x 32: 0.41 / 0.41 / 1.25 (2026-11-27, /tmp script against the float64 torch path, the
 three kernels' errors equal). Since 2026-11-28 the AMX kernel gathers V^T, rescales lazily and
 masks only diagonal steps: 1024: 2.1-2.2 -> 1.7, 2048: 6.8-7.3 -> 5.5-5.8, the 512-token chunk over
-2048: 3.2-3.5 -> 2.3-2.4 (alternated with the earlier kernel in one session). Other AMX shapes
+2048: 3.2-3.5 -> 2.3-2.4 (alternated with the earlier kernel in one session); session 26's
+cheaper softmax (docs/performance.md): 2048: 6.0 -> 5.2, the 512-token chunk 2.6 -> 2.1. Other AMX shapes
 keep the earlier rule: SDPA for bfloat16 chunks of at least ``SDPA_MIN_CHUNK`` tokens, the AVX-512
 kernel below that. Without AMX the AVX-512 kernel was 1.8-3.8x faster than SDPA on every case
 tried, 16-token chunks over a prefix up to one 4096-token fresh prompt (``python -m

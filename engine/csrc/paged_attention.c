@@ -1046,7 +1046,8 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
  * only when a step's max passes it by AMX_RESCALE_LOG2), the causal mask is applied only on the
  * diagonal steps, and O^T accumulates in the tiles where acc lies. As in the AVX512-BF16 kernel,
  * products are bfloat16 pairs summed in float32 and the softmax weights are rounded to bfloat16
- * for the values (their sum is not). Work items are
+ * for the values (their sum is not), so they come from a degree-3 exp2 (exp2_weights_512) and a
+ * step's max is taken over unscaled scores in four chains (the scale must be positive). Work items are
  * (sequence, run of 16 query tokens, head), each sequence's last (costliest) runs first; each
  * output row is one thread's, in a fixed order, so results do not depend on the thread count. */
 #define AMX_QUERIES 16
