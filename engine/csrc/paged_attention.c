@@ -1167,7 +1167,8 @@ static void amx_prefill_item(const amx_prefill_t *job, int seq, int32_t t0, int 
         const int diagonal = k0 + nk - 1 > context + t0;
         const __m512 scale = _mm512_set1_ps(job->scale_log2);
         /* The step's max over raw scores, then scaled (scale > 0, checked by the caller): four
-         * chains, so the maxes do not wait on each other's latency. */
+         * chains, so the maxes do not wait on each other's latency. Only diagonal steps take the
+         * masked loop (one masked loop for every step measured ~7% slower on the kernel). */
         __m512 lane_max[4];
         for (int c = 0; c < 4; c++) lane_max[c] = _mm512_set1_ps(-INFINITY);
         if (diagonal) {

@@ -390,7 +390,8 @@ def test_the_amx_prefill_kernel_is_within_bfloat16s_own_rounding(gen, chunks):
 @amx_prefill
 def test_the_amx_prefill_kernel_refuses_what_it_cannot_run(gen):
     """A head_dim off its 32-wide tiles is refused (prefill_attention never sends one), and so
-    is a block id outside the cache, before anything is computed."""
+    are a non-positive scale (a step's max is taken before scaling) and a block id outside the
+    cache, before anything is computed."""
     paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=48, block_size=16, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="not supported here"):
         _amx_kernel(torch.randn(20, 1, 48).bfloat16(), paged.k_cache, paged.v_cache, paged.block_tables,
@@ -398,14 +399,13 @@ def test_the_amx_prefill_kernel_refuses_what_it_cannot_run(gen):
     assert not cpu_backend._amx_prefill(torch.randn(20, 1, 48).bfloat16(), paged.k_cache, 0.125)
     paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.bfloat16)
     query = torch.randn(20, 1, 64).bfloat16()
-    with pytest.raises(ValueError, match="not supported here"):   # a step's max is taken before scaling
+    with pytest.raises(ValueError, match="not supported here"):
         _amx_kernel(query, paged.k_cache, paged.v_cache, paged.block_tables, (0, 20), (20,), -0.1)
     assert not cpu_backend._amx_prefill(query, paged.k_cache, -0.1)
-    paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.bfloat16)
     table = paged.block_tables.clone()
     table[0, 1] = paged.k_cache.shape[0]
     with pytest.raises(ValueError, match="block table entry"):
-        _amx_kernel(torch.randn(20, 1, 64).bfloat16(), paged.k_cache, paged.v_cache, table, (0, 20), (20,), 0.1)
+        _amx_kernel(query, paged.k_cache, paged.v_cache, table, (0, 20), (20,), 0.1)
 
 
 def test_block_id_outside_the_cache_is_refused(gen):
