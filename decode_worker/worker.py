@@ -234,8 +234,12 @@ class DecodeLoop(EngineLoop):
             self._flush_events()
             busy = self.engine.has_unfinished()
             if busy:
+                started = time.monotonic()
+                outputs = self.engine.step()
                 now = time.monotonic()
-                for out in self.engine.step():
+                if self.engine.last_step_kind:   # else it scheduled nothing
+                    self.metrics.observe_step(self.engine.last_step_kind, now - started)
+                for out in outputs:
                     self._emit(out, now)
         finally:
             self._flush_events()   # the step's tokens, every running request's, in one batch

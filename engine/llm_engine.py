@@ -128,6 +128,7 @@ class LLMEngine:
         self.held: dict[str, Sequence] = {}   # finished, blocks not yet released
         self.num_prompt_tokens_total = 0      # tokens computed by prefill chunks
         self.num_generated_tokens_total = 0
+        self.last_step_kind = ""              # ScheduledBatch.kind of the last step; "" when it scheduled nothing
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -319,6 +320,7 @@ class LLMEngine:
         cached (see LlamaForCausalLM.forward); ``step_extra(chunks)``, given the prompt chunks the
         step computes, is what TP followers get with the step for their own ``after_layer``."""
         batch = self.scheduler.schedule()
+        self.last_step_kind = "" if batch.is_empty else batch.kind
         if batch.is_empty:
             return []
         extra = None if step_extra is None else step_extra(_prompt_chunks(batch))

@@ -51,6 +51,11 @@ class ScheduledBatch:
     def num_prefill_tokens(self) -> int:
         return sum(n for _, n in self.prefills)
 
+    @property
+    def kind(self) -> str:
+        """"prefill" (prompt chunks only), "decode" (decodes only) or "mixed"."""
+        return "mixed" if self.prefills and self.decodes else "prefill" if self.prefills else "decode"
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, max_model_len: int) -> None:

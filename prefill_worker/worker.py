@@ -201,7 +201,13 @@ class PrefillLoop(EngineLoop):
     def run_once(self) -> bool:
         self.engine.check_parallel()
         busy = self.engine.has_unfinished()
-        for out in self.engine.step(self._after_layer, self._layer_plan) if busy else []:
+        outputs: list[StepOutput] = []
+        if busy:
+            started = time.monotonic()
+            outputs = self.engine.step(self._after_layer, self._layer_plan)
+            if self.engine.last_step_kind:   # else it scheduled nothing
+                self.metrics.observe_step(self.engine.last_step_kind, time.monotonic() - started)
+        for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:
                 continue

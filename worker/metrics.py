@@ -74,8 +74,17 @@ class WorkerMetrics:
         self.itl = Histogram("tandem_inter_token_latency_seconds", "time between streamed tokens", ["role"],
                              registry=self.registry,
                              buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)).labels(**labels)
+        self._step_seconds = Histogram(
+            "tandem_engine_step_seconds",
+            "one engine step (schedule, forward, sampling) on the engine thread, by what it computed: prefill "
+            "(prompt chunks only), decode (decodes only) or mixed", ["role", "kind"], registry=self.registry,
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5))
         self._server: MetricsServer | None = None
         self._role = role
+
+    def observe_step(self, kind: str, seconds: float) -> None:
+        """One engine step that ran (``LLMEngine.last_step_kind``) and its wall time."""
+        self._step_seconds.labels(role=self._role, kind=kind).observe(seconds)
 
     def read_receiver(self, stats: Callable[[], dict[str, int]]) -> None:
         """decode: export the kvtransfer receiver's counters (``Receiver.stats``), read when

@@ -88,6 +88,14 @@ def test_metrics_and_log_lines_after_traffic(pair):
     assert sample(decode, "tandem_generation_tokens_total") - generated_before <= sum(MAX_TOKENS)
     assert sample(decode, "tandem_kv_cache_usage_ratio") == 0.0
     assert metrics(decode)['tandem_time_to_first_token_seconds_count{role="decode"}'] >= len(LENGTHS)
+    # Every engine step is timed by what it computed: the prefill worker ran prompt chunks only,
+    # the decode worker decodes (every prompt's second token on) and nothing else.
+    prefill_page, decode_page = metrics(prefill), metrics(decode)
+    assert prefill_page['tandem_engine_step_seconds_count{kind="prefill",role="prefill"}'] >= 1
+    assert prefill_page['tandem_engine_step_seconds_sum{kind="prefill",role="prefill"}'] > 0
+    steps = decode_page['tandem_engine_step_seconds_count{kind="decode",role="decode"}']
+    assert max(MAX_TOKENS) - 1 <= steps <= sum(MAX_TOKENS)
+    assert not any(k.startswith("tandem_engine_step_seconds_count") and 'kind="decode"' not in k for k in decode_page)
     wait_until(lambda: "Prefill batch. #new-seq:" in prefill.stderr(), 5, "a Prefill batch. line")
     wait_until(lambda: "Decode batch. #running-req:" in decode.stderr(), 5, "a Decode batch. line")
 
