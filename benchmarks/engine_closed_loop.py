@@ -4,7 +4,8 @@ Keeps CONCURRENCY requests of INPUT random token ids in flight (a finished one i
 once) until NUM have run, each generating OUTPUT tokens (ignore_eos), by calling
 ``LLMEngine.step()`` in a loop: the same scenarios as ``benchmarks/vs_vllm.py`` with no router,
 gRPC or client beside the engine. Compare its tok/s with the served number to split a gap into
-the engine's share and the serving path's (docs/performance.md). Requests sample at
+the engine's share and the serving path's (docs/performance.md); its steps by kind, mean ms, are
+what a served worker's ``tandem_engine_step_seconds{kind}`` sum over count gives. Requests sample at
 ``--temperature`` 1.0 by default, as served ones do under vLLM's client (it sends no temperature,
 and the server's default is 1.0); 0 is greedy.
 
@@ -59,14 +60,22 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(min(args.concurrency, args.num)):
         add()
     started, steps = time.perf_counter(), 0
+    by_kind: dict[str, list[float]] = {}   # kind -> [steps, seconds], as tandem_engine_step_seconds counts
     while engine.has_unfinished():
-        for out in engine.step():
+        step_started = time.perf_counter()
+        outputs = engine.step()
+        if engine.last_step_kind:
+            count = by_kind.setdefault(engine.last_step_kind, [0, 0.0])
+            count[0] += 1
+            count[1] += time.perf_counter() - step_started
+        for out in outputs:
             if out.finished and sent < args.num:
                 add()
         steps += 1
     took = time.perf_counter() - started
+    kinds = ", ".join(f"{kind} {int(n)} x {1000 * s / n:.1f}" for kind, (n, s) in sorted(by_kind.items()))
     print(f"{args.concurrency} x {args.num}, {args.input}/{args.output}: {args.num * args.output / took:.1f} "
-          f"output tok/s, {took:.1f} s, {steps} steps, {1000 * took / steps:.1f} ms per step")
+          f"output tok/s, {took:.1f} s, {steps} steps, {1000 * took / steps:.1f} ms per step ({kinds} ms)")
     return 0
 
 
