@@ -28,6 +28,11 @@
  * the products are nearly free, so a step of up to 64 tokens reads the 5-bit blocks at close to
  * the cost of one token.
  *
+ * Without AMX (or where Linux does not grant it), on CPUs with AVX512-BF16, tandem_qlinear_bf16
+ * takes the float32 kernel's tiles of NT rows, rounds them to bfloat16 the same way and multiplies
+ * with vdpbf16ps (dpbf16_linear): products and sums as on AMX, the dequantization again paid once
+ * per weight for all x rows.
+ *
  * tandem_linear_bf16 (AMX, any bfloat16 model): the same AMX loop on dense row-major bf16
  * weights, which are already the A operand's layout (16 rows x 32 k, row stride K), so a decode
  * step streams them with no dequantization and no repacking. It beat oneDNN's packed weights at
@@ -40,8 +45,16 @@
 #include <string.h>
 
 #include "amx.h"
+#include "bf16.h"
 
-#define ABI_VERSION 3
+/* vdpbf16ps (AVX512-BF16): the bfloat16 entry point on CPUs without AMX, or where Linux refuses it. */
+#if HAVE_AVX512 && defined(__AVX512BF16__)
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+#define ABI_VERSION 4
 /* GGML type ids (gguf.GGMLQuantizationType). */
 enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_Q4_K = 12, QTYPE_Q6_K = 14, QTYPE_BF16 = 30 };
 enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_QTYPE = 3, ERR_UNSUPPORTED = 4 };
@@ -257,6 +270,121 @@ int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
 #endif
 }
 
+#if HAVE_DPBF16
+static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
+    _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+/* One weight row as bfloat16: dequant_row's float32 values, rounded to nearest even. The 32-weight
+ * types go straight from registers; the K-quants through the float32 row `tmp`. */
+static void dequant_row_bf16(const uint8_t *restrict row, int64_t K, int32_t qtype, float *restrict tmp,
+                             uint16_t *restrict dst) {
+    if (qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K) {
+        dequant_row(row, K, qtype, tmp);
+        for (int64_t k = 0; k < K; k += 32) store_bf16(dst + k, _mm512_loadu_ps(tmp + k), _mm512_loadu_ps(tmp + k + 16));
+        return;
+    }
+    for (int64_t b = 0; b < K / QK; b++, dst += QK) {
+        __m512 lo, hi;
+        dequant_block32(row, b, qtype, &lo, &hi);
+        store_bf16(dst, lo, hi);
+    }
+}
+
+/* The lane sums of a, b, c, d in lanes 0, 4, 8 and 12 (a shuffle tree: 10 operations for four
+ * sums, where four reduce_add take ~32). */
+static inline __m512 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* halves of 256 summed: [a | b] and [c | d], 8 lanes each */
+    const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    /* 128-bit quarters: a, b, c, d in quarters 0..3, 4 lanes each */
+    const __m512 q = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    const __m512 h = _mm512_add_ps(q, _mm512_permute_ps(q, 0x4E));   /* lanes (0+2, 1+3) */
+    return _mm512_add_ps(h, _mm512_permute_ps(h, 0xB1));           /* lane 0 of each quarter: all four */
+}
+
+/* out[m, n0 + j] = bf16(sum_k x[m, k] w[j, k]) for m < mb (<= MB), j < nt (<= NT): bfloat16 x rows
+ * against the tile's bfloat16 weight rows, vdpbf16ps (pairs of bfloat16 products summed in
+ * float32), 32 k at a time. Constant mb/nt at each call site let gcc unroll into registers. */
+static inline __attribute__((always_inline)) void tile_dot_bf16(
+        const uint16_t *restrict x, int64_t x_stride, int mb, const uint16_t *restrict w, int nt, int64_t K,
+        uint16_t *restrict out, int64_t out_stride) {
+    __m512 acc[MB][NT];
+    for (int i = 0; i < mb; i++)
+        for (int j = 0; j < nt; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+        __m512bh wv[NT];
+        for (int j = 0; j < nt; j++) wv[j] = (__m512bh)_mm512_loadu_si512((const void *)(w + j * K + k));
+        for (int i = 0; i < mb; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void *)(x + i * x_stride + k));
+            for (int j = 0; j < nt; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+        }
+    }
+    for (int i = 0; i < mb; i++) {
+        if (nt == NT) {   /* the four sums at once: lanes 0, 4, 8, 12 of sum4 */
+            float sums[16];
+            _mm512_storeu_ps(sums, sum4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]));
+            for (int j = 0; j < NT; j++) out[i * out_stride + j] = f32_to_bf16(sums[4 * j]);
+        } else {
+            for (int j = 0; j < nt; j++) out[i * out_stride + j] = f32_to_bf16(_mm512_reduce_add_ps(acc[i][j]));
+        }
+    }
+}
+
+#define TILE_CASE_BF16(MBC)                                                                \
+    case MBC:                                                                              \
+        if (nt == NT) tile_dot_bf16(x, x_stride, MBC, w, NT, K, out, out_stride);          \
+        else tile_dot_bf16(x, x_stride, MBC, w, nt, K, out, out_stride);                   \
+        break;
+
+static void tile_rows_bf16(const uint16_t *x, int64_t x_stride, int mb, const uint16_t *w, int nt, int64_t K,
+                           uint16_t *out, int64_t out_stride) {
+    switch (mb) {
+        TILE_CASE_BF16(1) TILE_CASE_BF16(2) TILE_CASE_BF16(3) TILE_CASE_BF16(4) TILE_CASE_BF16(5) TILE_CASE_BF16(6)
+        default: break;
+    }
+}
+
+/* tandem_qlinear_bf16 without AMX: tandem_qlinear's split (contiguous ranges of NT-row tiles per
+ * thread, each tile dequantized once into a small scratch, here rounded to bfloat16 as
+ * dequant_row_bf16 does), then every x row against it with tile_dot_bf16. Twice the float32
+ * kernel's products per instruction and no conversion of x or out. */
+static int dpbf16_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w,
+                         int64_t w_row_bytes, int64_t N, int32_t qtype, uint16_t *out, int64_t out_stride,
+                         int32_t nthreads) {
+    if (M == 0 || N == 0) return OK;
+    const int64_t ntiles = (N + NT - 1) / NT;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > ntiles) nthreads = (int32_t)ntiles;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
+        float *row = aligned_alloc(64, (size_t)(K * sizeof(float) + 63) / 64 * 64);
+        uint16_t *scratch = aligned_alloc(64, (size_t)(NT * K * 2 + 63) / 64 * 64);
+        if (row == NULL || scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            for (int64_t t = first; t < last; t++) {
+                const int64_t n0 = t * NT;
+                const int nt = (int)(N - n0 < NT ? N - n0 : NT);
+                for (int j = 0; j < nt; j++) dequant_row_bf16(w + (n0 + j) * w_row_bytes, K, qtype, row, scratch + j * K);
+                for (int64_t m0 = 0; m0 < M; m0 += MB) {
+                    const int mb = (int)(M - m0 < MB ? M - m0 : MB);
+                    tile_rows_bf16(x + m0 * x_stride, x_stride, mb, scratch, nt, K, out + m0 * out_stride + n0,
+                                   out_stride);
+                }
+            }
+        }
+        free(row);
+        free(scratch);
+    }
+    return failed ? ERR_NO_MEMORY : OK;
+}
+#endif /* HAVE_DPBF16 */
+
 #if HAVE_AMX
 /* AMX tile registers: 0-3 accumulate out^T for up to 4 blocks of 16 x rows, 4 holds the weight
  * tile, 5 a block of transposed x. Tile ids are immediates, hence the unrolled macros. */
@@ -278,25 +406,6 @@ static void transpose_x(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
     }
 }
 
-static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
-    _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-}
-
-/* One weight row as bfloat16: dequant_row's float32 values, rounded to nearest even. The 32-weight
- * types go straight from registers; the K-quants through the float32 row `tmp`. */
-static void dequant_row_bf16(const uint8_t *restrict row, int64_t K, int32_t qtype, float *restrict tmp,
-                             uint16_t *restrict dst) {
-    if (qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K) {
-        dequant_row(row, K, qtype, tmp);
-        for (int64_t k = 0; k < K; k += 32) store_bf16(dst + k, _mm512_loadu_ps(tmp + k), _mm512_loadu_ps(tmp + k + 16));
-        return;
-    }
-    for (int64_t b = 0; b < K / QK; b++, dst += QK) {
-        __m512 lo, hi;
-        dequant_block32(row, b, qtype, &lo, &hi);
-        store_bf16(dst, lo, hi);
-    }
-}
 
 /* out[m, n0 + n] = bf16(acc[n][m]) for m < mb rows of this x block, n < nt. */
 static void store_block(const float *acc, int64_t m0, int64_t mb, int nt, uint16_t *out, int64_t out_stride,
@@ -358,7 +467,15 @@ static void amx_tile(const uint16_t *wt, int64_t w_stride, const uint16_t *xt, i
 }
 #endif /* HAVE_AMX */
 
+/* 1 where tandem_qlinear_bf16 runs (AMX, else AVX512-BF16); tandem_linear_bf16 needs AMX. */
 int tandem_qlinear_bf16_supported(void) {
+#if HAVE_AMX
+    if (amx_permitted()) return 1;
+#endif
+    return HAVE_DPBF16;
+}
+
+int tandem_linear_bf16_supported(void) {
 #if HAVE_AMX
     return amx_permitted();
 #else
@@ -432,11 +549,14 @@ int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
                         uint16_t *out, int64_t out_stride, int32_t nthreads) {
     const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
     if (status != OK) return status;
-#if !HAVE_AMX
+#if HAVE_AMX
+    if (amx_permitted()) return amx_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads);
+#endif
+#if HAVE_DPBF16
+    return dpbf16_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads);
+#else
     (void)x; (void)w; (void)out; (void)nthreads;
     return ERR_UNSUPPORTED;
-#else
-    return amx_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads);
 #endif
 }
 

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "quant_linear.c"
-ABI_VERSION = 3
+ABI_VERSION = 4
 TUNE_BATCHES = (1, 4, 16, 32, 64, 128, 256)   # up to the first batch where the dense weights win
 TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
@@ -96,8 +96,10 @@ class _Kernel:
         self._fn = lib.tandem_qlinear
         self._fn.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i32, _ptr, _i64, _i32]
         self._fn.restype = ctypes.c_int
-        # bfloat16 in and out through the AMX unit, where the CPU has one (and Linux grants it).
-        self.amx = bool(lib.tandem_qlinear_bf16_supported())
+        # bfloat16 in and out: on the AMX unit where the CPU has one (and Linux grants it), else
+        # with AVX512-BF16's vdpbf16ps where the CPU has that.
+        self.bf16 = bool(lib.tandem_qlinear_bf16_supported())
+        self.amx = bool(lib.tandem_linear_bf16_supported())
         self._fn_bf16 = lib.tandem_qlinear_bf16
         self._fn_bf16.argtypes = self._fn.argtypes
         self._fn_bf16.restype = ctypes.c_int
@@ -114,7 +116,7 @@ class _Kernel:
     def __call__(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = x.dtype
         blocks = (weight.in_features, weight.data.data_ptr(), weight.data.shape[1], weight.rows, weight.qtype)
-        if dtype == torch.bfloat16 and self.amx:
+        if dtype == torch.bfloat16 and self.bf16:
             return self._run("quantized linear kernel", self._fn_bf16, x, weight.rows, blocks, bias, torch.bfloat16)
         out = self._run("quantized linear kernel", self._fn, x.float(), weight.rows, blocks, bias, torch.float32)
         return out if dtype == torch.float32 else out.to(dtype)

@@ -107,7 +107,8 @@ def _cpu_has_amx_bf16() -> bool:
 @pytest.mark.parametrize("qtype", TYPES + K_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 64, 70])
 def test_bfloat16_steps(qtype, rows):
-    """bfloat16 in and out (the AMX kernel where the CPU has AMX; the float32 kernel elsewhere):
+    """bfloat16 in and out (the AMX kernel where the CPU has AMX, vdpbf16ps where it has only
+    AVX512-BF16, the float32 kernel elsewhere):
     the products of x and the weights rounded to bfloat16, as the dense bfloat16 weights hold them,
     summed in float32 and rounded once. Rows cover partial and whole blocks of 16 and more than
     the 4 blocks one pass holds; 37 output features a partial tile."""
@@ -127,8 +128,13 @@ def test_bfloat16_steps(qtype, rows):
 
 
 def test_bfloat16_kernel_is_the_amx_one_where_the_cpu_has_amx():
-    """A CPU with AMX must not fall back silently to the float32 kernel (2-3x slower at 16 rows)."""
-    assert quant_linear.load().amx == _cpu_has_amx_bf16()
+    """A CPU with AMX must not fall back silently to the float32 kernel (2-3x slower at 16 rows),
+    nor one with AVX512-BF16 and no AMX (its vdpbf16ps kernel: ~2x the float32 one's products)."""
+    from engine.config import cpu_has_native_bf16
+
+    kernel = quant_linear.load()
+    assert kernel.amx == _cpu_has_amx_bf16()
+    assert kernel.bf16 == cpu_has_native_bf16()
 
 
 def test_bfloat16_results_do_not_depend_on_threads():
