@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 SOURCE = CSRC / "quant_linear.c"
 ABI_VERSION = 4
-TUNE_BATCHES = (1, 4, 16, 32, 64, 128, 256)   # up to the first batch where the dense weights win
+TUNE_BATCHES = (1, 4, 8, 16, 32, 64, 128, 256)   # up to the first batch where the dense weights win
 TUNE_DENSE_BYTES = 512 << 20   # beyond any L3: the timed weights stream from memory
 STATUS_MESSAGES = {1: "out of memory", 2: "bad shape", 3: "unsupported quantization type", 4: "no AVX-512"}
 
