@@ -12,8 +12,10 @@ worker processes), ``reference`` (the colocated LLM's outputs) and ``pd_twin`` (
 P/D twin). Import them nowhere: pytest finds them by name.
 
 Under ``TANDEM_CI=1`` (set by .ci/run) a skipped test is a failed one, unless its reason says it
-needs CUDA / a GPU: CI must never be green with, say, every SmolLM2 test skipped because the
-model package is missing, or the ``ray up`` test skipped for want of sshd.
+needs CUDA / a GPU, or says it needs AMX on a CPU whose flags have none (CI runs on whatever CPU
+the machine has; on one with AMX those tests must run): CI must never be green with, say, every
+SmolLM2 test skipped because the model package is missing, or the ``ray up`` test skipped for want
+of sshd.
 """
 from __future__ import annotations
 
@@ -30,12 +32,14 @@ from protos.grpc_io import use_polling_io
 
 use_polling_io()   # grpc's I/O path as in Tandem's processes, before protos.auth imports grpc
 
+from engine.config import cpu_has_amx_bf16  # noqa: E402
 from protos.auth import SECRET_ENV, new_secret  # noqa: E402
 
 os.environ.setdefault(SECRET_ENV, new_secret())
 
 CI_ENV = "TANDEM_CI"
 MAY_SKIP_IN_CI = re.compile(r"\b(cuda|gpu)\b", re.IGNORECASE)
+NEEDS_AMX = re.compile(r"\bAMX\b")
 
 
 def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
@@ -51,9 +55,11 @@ def _fail_skip_in_ci(report: pytest.TestReport | pytest.CollectReport) -> None:
     reason = _skip_reason(report)
     if MAY_SKIP_IN_CI.search(reason):
         return
+    if NEEDS_AMX.search(reason) and not cpu_has_amx_bf16():
+        return
     report.outcome = "failed"
-    report.longrepr = (f"skipped under {CI_ENV}=1, where only tests that need CUDA or a GPU may skip: "
-                       f"{reason}")
+    report.longrepr = (f"skipped under {CI_ENV}=1, where only tests that need CUDA or a GPU (or AMX, on a CPU "
+                       f"without it) may skip: {reason}")
 
 
 @pytest.hookimpl(hookwrapper=True)
