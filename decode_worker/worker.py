@@ -234,11 +234,10 @@ class DecodeLoop(EngineLoop):
             self._flush_events()
             busy = self.engine.has_unfinished()
             if busy:
-                started = time.monotonic()
                 outputs = self.engine.step()
                 now = time.monotonic()
-                if self.engine.last_step_kind:   # else it scheduled nothing
-                    self.metrics.observe_step(self.engine.last_step_kind, now - started)
+                if self.engine.last_step is not None:   # else it scheduled nothing
+                    self.metrics.observe_step(*self.engine.last_step)
                 for out in outputs:
                     self._emit(out, now)
         finally:

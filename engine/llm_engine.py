@@ -128,7 +128,8 @@ class LLMEngine:
         self.held: dict[str, Sequence] = {}   # finished, blocks not yet released
         self.num_prompt_tokens_total = 0      # tokens computed by prefill chunks
         self.num_generated_tokens_total = 0
-        self.last_step_kind = ""              # ScheduledBatch.kind of the last step; "" when it scheduled nothing
+        # (ScheduledBatch.kind, wall seconds) of the last step; None when it scheduled nothing
+        self.last_step: tuple[str, float] | None = None
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -319,15 +320,18 @@ class LLMEngine:
         """One schedule-run-postprocess round; ``after_layer(i)`` runs once layer i's K/V is
         cached (see LlamaForCausalLM.forward); ``step_extra(chunks)``, given the prompt chunks the
         step computes, is what TP followers get with the step for their own ``after_layer``."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
-        self.last_step_kind = "" if batch.is_empty else batch.kind
         if batch.is_empty:
+            self.last_step = None
             return []
         extra = None if step_extra is None else step_extra(_prompt_chunks(batch))
         logits = self.runner.execute(batch, after_layer, extra)
         sampling = self._sampling_seqs(batch)
         sampled = self.sampler(logits, [_sampling_request(s) for s in sampling])
-        return self._postprocess(batch, sampling, sampled)
+        outputs = self._postprocess(batch, sampling, sampled)
+        self.last_step = (batch.kind, time.perf_counter() - started)
+        return outputs
 
     def _sampling_seqs(self, batch: ScheduledBatch) -> list[Sequence]:
         seqs = [s for s, n in batch.prefills if s.num_computed_tokens + n == s.num_tokens]

@@ -203,10 +203,9 @@ class PrefillLoop(EngineLoop):
         busy = self.engine.has_unfinished()
         outputs: list[StepOutput] = []
         if busy:
-            started = time.monotonic()
             outputs = self.engine.step(self._after_layer, self._layer_plan)
-            if self.engine.last_step_kind:   # else it scheduled nothing
-                self.metrics.observe_step(self.engine.last_step_kind, time.monotonic() - started)
+            if self.engine.last_step is not None:   # else it scheduled nothing
+                self.metrics.observe_step(*self.engine.last_step)
         for out in outputs:
             job = self.jobs.get(out.request_id)
             if job is None:

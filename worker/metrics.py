@@ -83,7 +83,7 @@ class WorkerMetrics:
         self._role = role
 
     def observe_step(self, kind: str, seconds: float) -> None:
-        """One engine step that ran (``LLMEngine.last_step_kind``) and its wall time."""
+        """One engine step that ran and its wall time (``LLMEngine.last_step``)."""
         self._step_seconds.labels(role=self._role, kind=kind).observe(seconds)
 
     def read_receiver(self, stats: Callable[[], dict[str, int]]) -> None:

@@ -30,7 +30,7 @@
  *
  * Without AMX (or where Linux does not grant it), on CPUs with AVX512-BF16, tandem_qlinear_bf16
  * takes the float32 kernel's tiles of NT rows, rounds them to bfloat16 the same way and multiplies
- * with vdpbf16ps (dpbf16_linear): products and sums as on AMX, the dequantization again paid once
+ * with vdpbf16ps (tiled_linear): products and sums as on AMX, the dequantization again paid once
  * per weight for all x rows.
  *
  * tandem_linear_bf16 (AMX, any bfloat16 model): the same AMX loop on dense row-major bf16
@@ -214,62 +214,6 @@ static inline __attribute__((always_inline)) void tile_dot(
         for (int j = 0; j < nt; j++) out[i * out_stride + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-#define TILE_CASE(MBC)                                                                     \
-    case MBC:                                                                              \
-        if (nt == NT) tile_dot(x, x_stride, MBC, w, NT, K, out, out_stride);               \
-        else tile_dot(x, x_stride, MBC, w, nt, K, out, out_stride);                        \
-        break;
-
-static void tile_rows(const float *x, int64_t x_stride, int mb, const float *w, int nt, int64_t K,
-                      float *out, int64_t out_stride) {
-    switch (mb) {
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6)
-        default: break;
-    }
-}
-
-#endif /* HAVE_AVX512 */
-
-int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
-                   const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
-                   float *out, int64_t out_stride, int32_t nthreads) {
-    const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
-    if (status != OK) return status;
-#if !HAVE_AVX512
-    (void)x; (void)w; (void)out; (void)nthreads;
-    return ERR_UNSUPPORTED;
-#else
-    if (M == 0 || N == 0) return OK;
-    const int64_t ntiles = (N + NT - 1) / NT;
-    if (nthreads < 1) nthreads = 1;
-    if (nthreads > ntiles) nthreads = (int32_t)ntiles;
-    int failed = 0;
-#pragma omp parallel num_threads(nthreads)
-    {
-        /* Contiguous tile ranges: each thread streams its own stretch of the weights. */
-        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
-        float *scratch = aligned_alloc(64, (size_t)(NT * K * sizeof(float) + 63) / 64 * 64);
-        if (scratch == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        } else {
-            for (int64_t t = first; t < last; t++) {
-                const int64_t n0 = t * NT;
-                const int nt = (int)(N - n0 < NT ? N - n0 : NT);
-                for (int j = 0; j < nt; j++) dequant_row(w + (n0 + j) * w_row_bytes, K, qtype, scratch + j * K);
-                for (int64_t m0 = 0; m0 < M; m0 += MB) {
-                    const int mb = (int)(M - m0 < MB ? M - m0 : MB);
-                    tile_rows(x + m0 * x_stride, x_stride, mb, scratch, nt, K, out + m0 * out_stride + n0, out_stride);
-                }
-            }
-            free(scratch);
-        }
-    }
-    return failed ? ERR_NO_MEMORY : OK;
-#endif
-}
-
 #if HAVE_DPBF16
 static inline void store_bf16(uint16_t *dst, __m512 lo, __m512 hi) {
     _mm512_storeu_si512((void *)dst, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
@@ -331,27 +275,43 @@ static inline __attribute__((always_inline)) void tile_dot_bf16(
     }
 }
 
-#define TILE_CASE_BF16(MBC)                                                                \
+#endif /* HAVE_DPBF16 */
+
+/* Both tile products with constant mb and nt at each call site, so gcc unrolls into registers. */
+#define TILE_CASE(FN, MBC)                                                                 \
     case MBC:                                                                              \
-        if (nt == NT) tile_dot_bf16(x, x_stride, MBC, w, NT, K, out, out_stride);          \
-        else tile_dot_bf16(x, x_stride, MBC, w, nt, K, out, out_stride);                   \
+        if (nt == NT) FN(x, x_stride, MBC, w, NT, K, out, out_stride);                     \
+        else FN(x, x_stride, MBC, w, nt, K, out, out_stride);                              \
         break;
 
-static void tile_rows_bf16(const uint16_t *x, int64_t x_stride, int mb, const uint16_t *w, int nt, int64_t K,
-                           uint16_t *out, int64_t out_stride) {
+static void tile_rows(const float *x, int64_t x_stride, int mb, const float *w, int nt, int64_t K,
+                      float *out, int64_t out_stride) {
     switch (mb) {
-        TILE_CASE_BF16(1) TILE_CASE_BF16(2) TILE_CASE_BF16(3) TILE_CASE_BF16(4) TILE_CASE_BF16(5) TILE_CASE_BF16(6)
+        TILE_CASE(tile_dot, 1) TILE_CASE(tile_dot, 2) TILE_CASE(tile_dot, 3)
+        TILE_CASE(tile_dot, 4) TILE_CASE(tile_dot, 5) TILE_CASE(tile_dot, 6)
         default: break;
     }
 }
 
-/* tandem_qlinear_bf16 without AMX: tandem_qlinear's split (contiguous ranges of NT-row tiles per
- * thread, each tile dequantized once into a small scratch, here rounded to bfloat16 as
- * dequant_row_bf16 does), then every x row against it with tile_dot_bf16. Twice the float32
- * kernel's products per instruction and no conversion of x or out. */
-static int dpbf16_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w,
-                         int64_t w_row_bytes, int64_t N, int32_t qtype, uint16_t *out, int64_t out_stride,
-                         int32_t nthreads) {
+#if HAVE_DPBF16
+static void tile_rows_bf16(const uint16_t *x, int64_t x_stride, int mb, const uint16_t *w, int nt, int64_t K,
+                           uint16_t *out, int64_t out_stride) {
+    switch (mb) {
+        TILE_CASE(tile_dot_bf16, 1) TILE_CASE(tile_dot_bf16, 2) TILE_CASE(tile_dot_bf16, 3)
+        TILE_CASE(tile_dot_bf16, 4) TILE_CASE(tile_dot_bf16, 5) TILE_CASE(tile_dot_bf16, 6)
+        default: break;
+    }
+}
+#endif
+
+/* out = x @ W^T for tandem_qlinear (float32 x and out) and, with bf16 set, tandem_qlinear_bf16 on
+ * CPUs without AMX (bfloat16 x and out; HAVE_DPBF16 only). Contiguous ranges of NT-row tiles per
+ * thread, so each thread streams its own stretch of the weights; each tile dequantized once into a
+ * small scratch (float32, or rounded to bfloat16 as dequant_row_bf16 does), then every x row
+ * multiplied against it. Shapes already checked. */
+static int tiled_linear(const void *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w,
+                        int64_t w_row_bytes, int64_t N, int32_t qtype, void *out, int64_t out_stride,
+                        int32_t nthreads, int bf16) {
     if (M == 0 || N == 0) return OK;
     const int64_t ntiles = (N + NT - 1) / NT;
     if (nthreads < 1) nthreads = 1;
@@ -361,20 +321,33 @@ static int dpbf16_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t
     {
         const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
         const int64_t first = ntiles * tid / nth, last = ntiles * (tid + 1) / nth;
-        float *row = aligned_alloc(64, (size_t)(K * sizeof(float) + 63) / 64 * 64);
-        uint16_t *scratch = aligned_alloc(64, (size_t)(NT * K * 2 + 63) / 64 * 64);
-        if (row == NULL || scratch == NULL) {
+        void *scratch = aligned_alloc(64, (size_t)(NT * K * (bf16 ? 2 : 4) + 63) / 64 * 64);
+        float *row = bf16 ? aligned_alloc(64, (size_t)(K * sizeof(float) + 63) / 64 * 64) : NULL;  /* K-quants */
+        if (scratch == NULL || (bf16 && row == NULL)) {
 #pragma omp atomic write
             failed = 1;
         } else {
             for (int64_t t = first; t < last; t++) {
                 const int64_t n0 = t * NT;
                 const int nt = (int)(N - n0 < NT ? N - n0 : NT);
-                for (int j = 0; j < nt; j++) dequant_row_bf16(w + (n0 + j) * w_row_bytes, K, qtype, row, scratch + j * K);
+                for (int j = 0; j < nt; j++) {
+                    const uint8_t *wrow = w + (n0 + j) * w_row_bytes;
+#if HAVE_DPBF16
+                    if (bf16) dequant_row_bf16(wrow, K, qtype, row, (uint16_t *)scratch + j * K);
+                    else
+#endif
+                        dequant_row(wrow, K, qtype, (float *)scratch + j * K);
+                }
                 for (int64_t m0 = 0; m0 < M; m0 += MB) {
                     const int mb = (int)(M - m0 < MB ? M - m0 : MB);
-                    tile_rows_bf16(x + m0 * x_stride, x_stride, mb, scratch, nt, K, out + m0 * out_stride + n0,
-                                   out_stride);
+#if HAVE_DPBF16
+                    if (bf16)
+                        tile_rows_bf16((const uint16_t *)x + m0 * x_stride, x_stride, mb, scratch, nt, K,
+                                       (uint16_t *)out + m0 * out_stride + n0, out_stride);
+                    else
+#endif
+                        tile_rows((const float *)x + m0 * x_stride, x_stride, mb, scratch, nt, K,
+                                  (float *)out + m0 * out_stride + n0, out_stride);
                 }
             }
         }
@@ -383,7 +356,22 @@ static int dpbf16_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t
     }
     return failed ? ERR_NO_MEMORY : OK;
 }
-#endif /* HAVE_DPBF16 */
+
+#endif /* HAVE_AVX512 */
+
+int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
+                   const uint8_t *w, int64_t w_row_bytes, int64_t N, int32_t qtype,
+                   float *out, int64_t out_stride, int32_t nthreads) {
+    const int status = check_shape(x_stride, M, K, w_row_bytes, N, qtype, out_stride);
+    if (status != OK) return status;
+#if !HAVE_AVX512
+    (void)x; (void)w; (void)out; (void)nthreads;
+    return ERR_UNSUPPORTED;
+#else
+    return tiled_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads, 0);
+#endif
+}
+
 
 #if HAVE_AMX
 /* AMX tile registers: 0-3 accumulate out^T for up to 4 blocks of 16 x rows, 4 holds the weight
@@ -553,7 +541,7 @@ int tandem_qlinear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t 
     if (amx_permitted()) return amx_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads);
 #endif
 #if HAVE_DPBF16
-    return dpbf16_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads);
+    return tiled_linear(x, x_stride, M, K, w, w_row_bytes, N, qtype, out, out_stride, nthreads, 1);
 #else
     (void)x; (void)w; (void)out; (void)nthreads;
     return ERR_UNSUPPORTED;
