@@ -201,8 +201,8 @@ class ZmqSender(Sender):
         def op() -> None:
             if self._faults is not None:
                 self._faults.check_notify(request_id)
+            self._open.pop(request_id, None)   # before the send: whoever hears it sees no more beats
             self._send([data])
-            self._open.pop(request_id, None)
         return self._submit(request_id, op)
 
     def cancel(self, request_id: str, reason: str = "cancelled by sender") -> Future[None]:
@@ -210,8 +210,8 @@ class ZmqSender(Sender):
         self._mark_cancelled(request_id)
 
         def op() -> None:
-            self._send([data])
             self._open.pop(request_id, None)
+            self._send([data])
         return self._submit(request_id, op, cancel_op=True)
 
     def closing(self) -> bool:
