@@ -6,8 +6,11 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
 - every replica is one placement group, one bundle per TP rank, STRICT_PACK (all ranks on one
   node); a GPU bundle per rank on CUDA clusters, a small fractional CPU demand on CPU-only ones
   so router + 2 workers fit on 2 cores;
-- every rank is a ``ProcessHost`` actor in its bundle that runs ``python -m {role}_worker`` as
-  a child (dies with the actor: PR_SET_PDEATHSIG) and reports its ready line and exit code;
+- every rank runs as ``python -m {role}_worker``, a child of a ``ProcessHost`` actor (it dies
+  with the actor: PR_SET_PDEATHSIG), which reports its ready line and exit code: on CPU nodes one
+  host per node runs every rank placed there and the router (the bundles only reserve the CPU
+  share; each idle actor process is 100 wake-ups a second on the engine's cores), on GPU nodes
+  each rank has a host of its own in its bundle, to which Ray gives the GPU;
 - a new replica is registered with the router (Admin.RegisterWorker) once all its ranks are ready
   and counts as *running* once the router's heartbeat found it healthy: it takes traffic only then;
 - scale-down drains (Admin.DrainWorkers, one call for the replicas one reconcile drains: no new
@@ -19,8 +22,9 @@ The **controller** is a detached, named Ray actor (``tandem-controller`` in name
   and started again, right away the first time and then with a growing delay; one that keeps
   dying shows as ``crashloop`` with its last error in ``tandem status``; one that exits with
   code 2 (a configuration error) or never comes up shows as ``failed`` and is not retried;
-- the router itself runs in a ``ProcessHost`` on the node ``tandem serve`` ran on, and is
-  restarted (with every running worker re-registered) if it dies;
+- the router itself runs under the ``ProcessHost`` of the node ``tandem serve`` ran on (its CPU
+  share reserved by a one-bundle placement group there), and is restarted (with every running
+  worker re-registered) if it dies;
 - the router's and every serving replica's /metrics address go to a Prometheus file_sd target
   list (``ServeSpec.prometheus_sd_file``, deploy/prometheus_sd.py), rewritten as they change;
 - with ``ServeSpec.planner`` (``tandem serve --planner``) the SLO planner runs as a thread here
@@ -43,6 +47,7 @@ import collections
 import itertools
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -159,7 +164,7 @@ def placement_shortfall(spec: ServeSpec, desired: dict[str, int], cluster: dict[
     return ""
 
 
-# -- the process host: one per worker rank, one for the router -------------------------------
+# -- the process hosts: one per node for its CPU ranks and the router, one per GPU rank ---------
 
 
 # Ray runs actor processes at niceness 15 (its ``worker_niceness``), and what they start inherits
@@ -171,12 +176,19 @@ HOST_OPTIONS = {"runtime_env": {"env_vars": {"RAY_worker_niceness": "0"}}, "max_
 
 @ray.remote
 class ProcessHost:
-    """Runs one Tandem process as its child. All methods return at once (they run on the
-    actor's main thread, which the child's parent-death signal is tied to)."""
+    """Runs Tandem processes as its children, each under a key the controller picks.
+
+    On a CPU node one host runs every rank and the router placed there: each Ray actor process
+    wakes 100 times a second even when idle (Ray checks signals every 10 ms), and on the cores
+    the engine uses every wake-up costs the engine's threads (2 cores, 8 streams of 256/128:
+    one host per rank and the router served 176-196 output tok/s, with two of those three hosts
+    and Ray's idle worker stopped 219-265). A GPU rank has a host of its own, to which Ray gives
+    the GPU of its bundle. All methods return at once (they run on the actor's main thread,
+    which the children's parent-death signal is tied to)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.proc: ServiceProcess | None = None
+        self.procs: dict[str, ServiceProcess] = {}
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 
     def node(self) -> dict[str, Any]:
@@ -188,25 +200,38 @@ class ProcessHost:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def start(self, argv: list[str], ready_prefix: str, env: dict[str, str], nice: int = 0) -> int:
-        self.proc = ServiceProcess(self.name, argv, ready_prefix, env=env, die_with_parent=True, stderr_tail=40,
-                                   nice=nice)
-        return self.proc.pid
+    def start(self, key: str, argv: list[str], ready_prefix: str, env: dict[str, str], nice: int = 0) -> int:
+        if key in self.procs:
+            raise ValueError(f"{self.name}: a process runs under {key!r} already")
+        self.procs[key] = ServiceProcess(f"{key}", argv, ready_prefix, env=env, die_with_parent=True,
+                                         stderr_tail=40, nice=nice)
+        return self.procs[key].pid
 
-    def poll_ready(self, timeout_s: float = 0.5) -> dict[str, Any] | None:
+    def poll_ready(self, key: str) -> dict[str, Any] | None:
         """The ready line once it came; raises (with the stderr tail) when the child died first."""
-        if self.proc is None:
-            raise RuntimeError(f"{self.name}: poll_ready before start")
-        return self.proc.poll_ready(timeout_s)
+        return self._proc(key).poll_ready(0.0)
 
-    def returncode(self) -> int | None:
-        return None if self.proc is None else self.proc.returncode()
+    def returncodes(self, keys: list[str]) -> list[int | None]:
+        """Each child's exit code, None while it runs; -9 for a key this host does not know."""
+        return [self.procs[k].returncode() if k in self.procs else -9 for k in keys]
 
-    def stderr_tail(self) -> str:
-        return "" if self.proc is None else self.proc.stderr_tail()
+    def stderr_tail(self, key: str) -> str:
+        return self.procs[key].stderr_tail() if key in self.procs else ""
 
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        return None if self.proc is None else self.proc.stop(timeout_s)
+    def stop(self, keys: list[str], timeout_s: float = 10.0) -> list[int | None]:
+        """SIGTERM to all of ``keys`` at once, SIGKILL to those still running after ``timeout_s``;
+        their exit codes (None for unknown keys)."""
+        procs = [self.procs.pop(k, None) for k in keys]
+        for p in procs:
+            if p is not None and p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        return [None if p is None else p.stop(max(0.0, deadline - time.monotonic())) for p in procs]
+
+    def _proc(self, key: str) -> ServiceProcess:
+        if key not in self.procs:
+            raise KeyError(f"{self.name}: no process under {key!r}")
+        return self.procs[key]
 
 
 # -- the controller --------------------------------------------------------------------------
@@ -218,7 +243,8 @@ class Replica:
     role: str
     tp: int
     state: str = "pending"        # pending starting running draining restarting crashloop failed
-    hosts: list = field(default_factory=list)
+    hosts: list = field(default_factory=list)   # per rank: (ProcessHost handle, the key of its process there)
+    own_hosts: bool = False       # the hosts are this replica's alone (GPU ranks): killed with it
     pg: Any = None
     address: str = ""
     metrics: str = ""             # rank 0's /metrics host:port
@@ -336,8 +362,12 @@ class Controller:
         self.desired = dict(spec.replicas)
         self.replicas: list[Replica] = []
         self.router: dict[str, Any] = {}
-        self._router_host = None
+        self._router_host: tuple[Any, str] | None = None   # (the router's node host, its key there)
+        self._router_pg: Any = None   # reserves the router's CPU share on its node
         self._router_retry_at = 0.0
+        self._node_hosts: dict[str, Any] = {}    # node id -> the ProcessHost of its CPU ranks and router
+        self._hosts_lock = threading.Lock()
+        self._keys = itertools.count()           # makes every process key unique
         self._stub: tandem_pb2_grpc.TandemStub | None = None
         self._admin: SecretStub | None = None
         self._channel: grpc.Channel | None = None
@@ -432,12 +462,20 @@ class Controller:
             self._deregister(r)
         self._teardown_many(replicas)
         if self._router_host is not None:
+            host, key = self._router_host
             try:
-                ray.get(self._router_host.stop.remote(10.0), timeout=20)
+                ray.get(host.stop.remote([key], 10.0), timeout=20)
             except Exception:  # noqa: BLE001 - best effort: the actor may be gone already
                 pass
-            ray.kill(self._router_host)
             self._router_host = None
+        self._remove_router_pg()
+        with self._hosts_lock:
+            hosts, self._node_hosts = list(self._node_hosts.values()), {}
+        for host in hosts:
+            try:
+                ray.kill(host)
+            except Exception:  # noqa: BLE001
+                pass
         if self._channel is not None:
             self._channel.close()
         if self._targets is not None:
@@ -481,11 +519,14 @@ class Controller:
 
     def _start_router(self) -> None:
         spec = self.spec
-        node_id = self._router_node_id()
-        host = ProcessHost.options(  # type: ignore[attr-defined]  # added by ray.remote
-            **HOST_OPTIONS, num_cpus=spec.router_cpus, name=None,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-            if node_id else "DEFAULT").remote("router")
+        node_id = self._router_node_id() or ray.get_runtime_context().get_node_id()
+        self._remove_router_pg()
+        self._router_pg = placement_group([{"CPU": spec.router_cpus}], name="tandem-router",
+                                          bundle_label_selector=[{NODE_ID_LABEL: f"in({node_id})"}])
+        if not ray.wait([self._router_pg.ready()], timeout=60)[0]:
+            raise RuntimeError(f"no room for the router's {spec.router_cpus:g} CPU on node {node_id} within 60 s")
+        host = self._node_host(node_id)
+        key = f"router #{next(self._keys)}"
         # A restarted router starts with the running replicas (it polls them before it opens its
         # ports); _sync_router registers what this misses (draining ones, then drains them).
         with self._lock:
@@ -493,16 +534,20 @@ class Controller:
         argv = [sys.executable, "-m", "router", "--model", spec.model, *spec.router_flags,
                 *(arg for role, address in running for arg in (f"--{role}", address))]
         env = {**({"TANDEM_API_KEY": spec.api_key} if spec.api_key else {}), **spec.secret_env()}
-        pid = ray.get(host.start.remote(argv, ROUTER_READY_PREFIX, env))
         deadline = time.monotonic() + 120
         try:
-            while (info := ray.get(host.poll_ready.remote(0.5))) is None:
+            pid = ray.get(host.start.remote(key, argv, ROUTER_READY_PREFIX, env))
+            while (info := ray.get(host.poll_ready.remote(key))) is None:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the router did not report ready within 120 s")
+                time.sleep(0.2)
         except Exception as exc:
-            ray.kill(host)
+            try:
+                ray.get(host.stop.remote([key], 5.0), timeout=10)
+            except Exception:  # noqa: BLE001 - best effort: the host may be gone with its node
+                pass
             raise RuntimeError(f"router failed to start: {remote_error(exc)}") from None
-        self._router_host = host
+        self._router_host = (host, key)
         # A restarted router must come back on the same ports, also when they were picked (0).
         for flag, address in (("--http-port", info["http"]), ("--grpc-port", info["grpc"])):
             if address and flag in spec.router_flags:
@@ -519,6 +564,36 @@ class Controller:
         self._stub = tandem_pb2_grpc.TandemStub(self._channel)
         self._admin = SecretStub(admin_pb2_grpc.AdminStub(self._channel), spec.cluster_secret)
         logger.info("router ready: http %s, grpc %s", info["http"], info["grpc"])
+
+    def _remove_router_pg(self) -> None:
+        if self._router_pg is not None:
+            try:
+                remove_placement_group(self._router_pg)
+            except Exception:  # noqa: BLE001 - best effort: its node may be gone
+                pass
+            self._router_pg = None
+
+    def _node_host(self, node_id: str) -> Any:
+        """The process host of a node: made on first use, and again once its process (or its node)
+        died."""
+        with self._hosts_lock:
+            host = self._node_hosts.get(node_id)
+        if host is not None:
+            try:
+                ray.get(host.node.remote(), timeout=30)
+                return host
+            except ray.exceptions.GetTimeoutError:
+                return host                      # alive, busy stopping processes
+            except ray.exceptions.RayActorError:
+                pass
+        with self._hosts_lock:
+            if self._node_hosts.get(node_id) is host:    # no other thread made a new one meanwhile
+                # ProcessHost.options: added by ray.remote, which the type checker does not see
+                self._node_hosts[node_id] = ProcessHost.options(  # type: ignore[attr-defined]
+                    **HOST_OPTIONS, num_cpus=0, name=None,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                ).remote(f"node {node_id[:8]}")
+            return self._node_hosts[node_id]
 
     def _router_node_id(self) -> str:
         """The node the router runs on: the first alive node of ``--router-node``, else the one
@@ -605,20 +680,21 @@ class Controller:
         restarted (its node is gone), ``status`` shows it down with the reason, retried every
         ROUTER_RETRY_S."""
         if self._router_host is not None:
+            host, key = self._router_host
             try:
-                code = ray.get(self._router_host.returncode.remote(), timeout=10)
+                code = ray.get(host.returncodes.remote([key]), timeout=10)[0]
                 error = f"the router exited with code {code}"
+                host_lives = True
             except ray.exceptions.RayActorError as exc:
                 code, error = -9, f"the router's process host died: {str(exc).strip().splitlines()[0]}"
+                host_lives = False
             except ray.exceptions.GetTimeoutError:
                 return
             if code is None:
                 return
             logger.error("%s; restarting it", error)
-            try:
-                ray.kill(self._router_host)
-            except Exception:  # noqa: BLE001
-                pass
+            if host_lives:
+                host.stop.remote([key], 1.0)     # reaps it and removes what it left in shared memory
             self._router_host = None
             self.router.update(state="down", error=error, pid=None, lost_at=time.time())
         if time.monotonic() < self._router_retry_at:
@@ -654,21 +730,26 @@ class Controller:
         loaded node made a tick 64 actor round trips long."""
         with self._lock:
             watched = [r for r in self.replicas if r.state in ("running", "draining") and not r.busy]
-        asked = {h.returncode.remote(): (r, rank) for r in watched for rank, h in enumerate(r.hosts)}
+        by_host: dict[Any, list[tuple[Replica, int, str]]] = {}
+        for r in watched:
+            for rank, (host, key) in enumerate(r.hosts):
+                by_host.setdefault(host, []).append((r, rank, key))
+        asked = {host.returncodes.remote([key for _, _, key in ranks]): ranks for host, ranks in by_host.items()}
         if not asked:
             return
         answered, _ = ray.wait(list(asked), num_returns=len(asked), timeout=10)
         dead: dict[Replica, tuple[int, int]] = {}     # replica -> its lowest exited rank and code
         for ref in answered:
-            r, rank = asked[ref]
+            ranks = asked[ref]
             try:
-                code = ray.get(ref)
-            except ray.exceptions.RayActorError:
-                code = -9
-            if code is not None and (r not in dead or rank < dead[r][0]):
-                dead[r] = (rank, code)
+                codes = ray.get(ref)
+            except ray.exceptions.RayActorError:      # the host died: its node, or its process
+                codes = [-9] * len(ranks)
+            for (r, rank, _), code in zip(ranks, codes):
+                if code is not None and (r not in dead or rank < dead[r][0]):
+                    dead[r] = (rank, code)
         for r, (rank, code) in dead.items():
-            tail = self._tail(r.hosts[rank]) if rank < len(r.hosts) else ""
+            tail = self._tail(*r.hosts[rank]) if rank < len(r.hosts) else ""
             error = f"rank {rank} (pid {r.pids[rank] if rank < len(r.pids) else '?'}) exited with code {code}"
             logger.error("%s worker %s at %s: %s; %s", r.role, r.id, r.address, error,
                          "removing it" if r.state == "draining" else "restarting it")
@@ -820,14 +901,21 @@ class Controller:
     def _launch(self, r: Replica) -> None:
         spec = self.spec
         self._place(r)
-        strategy = [PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=i) for i in range(r.tp)]
-        bundle = self._bundle()
-        # ProcessHost.options: added by ray.remote, which the type checker does not see
-        r.hosts = [ProcessHost.options(  # type: ignore[attr-defined]
-                       **HOST_OPTIONS, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                       scheduling_strategy=strategy[i]).remote(f"{r.id} rank {i}")
-                   for i in range(r.tp)]
-        node = ray.get(r.hosts[0].node.remote())
+        n = next(self._keys)
+        keys = [f"{r.id} rank {i} #{n}" for i in range(r.tp)]
+        if spec.use_gpu:     # each rank's own host, in its bundle: Ray gives that actor the bundle's GPU
+            bundle = self._bundle()
+            # ProcessHost.options: added by ray.remote, which the type checker does not see
+            r.hosts = [(ProcessHost.options(  # type: ignore[attr-defined]
+                            **HOST_OPTIONS, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(r.pg, placement_group_bundle_index=i)
+                        ).remote(f"{r.id} rank {i}"), keys[i]) for i in range(r.tp)]
+            r.own_hosts = True
+        else:                # the bundles reserve the CPU share; the node's host runs the ranks
+            node_id = ray.util.placement_group_table(r.pg)["bundles_to_node_id"][0]
+            host = self._node_host(node_id)
+            r.hosts = [(host, key) for key in keys]
+        node = ray.get(r.hosts[0][0].node.remote())
         r.node = node["ip"]
         with self._lock:
             if spec.internal_host:       # one node: every rank of the deployment shares its cores
@@ -835,11 +923,12 @@ class Controller:
             else:                        # several: the ranks placed on this replica's node
                 ranks = {role: sum(x.tp for x in self.replicas if x.role == role and x.node == r.node)
                          for role in ROLES}
-        dist_port = ray.get(r.hosts[0].free_port.remote()) if r.tp > 1 else None
+        dist_port = ray.get(r.hosts[0][0].free_port.remote()) if r.tp > 1 else None
         argvs = worker_argvs(spec, r.role, r.tp, node, ranks, dist_port)
         nice = spec.prefill_nice if r.role == "prefill" and not spec.use_gpu else 0
         env = spec.secret_env()   # OpenMP's short spins: engine/__init__.py
-        r.pids = ray.get([h.start.remote(argv, WORKER_READY_PREFIX, env, nice) for h, argv in zip(r.hosts, argvs)])
+        r.pids = ray.get([h.start.remote(key, argv, WORKER_READY_PREFIX, env, nice)
+                          for (h, key), argv in zip(r.hosts, argvs)])
         deadline = time.monotonic() + spec.start_timeout_s
         infos: list[dict | None] = [None] * r.tp
         while not all(infos):
@@ -848,8 +937,10 @@ class Controller:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not ready after {spec.start_timeout_s:.0f} s")
             pending = [i for i, info in enumerate(infos) if info is None]
-            for i, info in zip(pending, ray.get([r.hosts[i].poll_ready.remote(0.5) for i in pending])):
+            for i, info in zip(pending, ray.get([r.hosts[i][0].poll_ready.remote(r.hosts[i][1]) for i in pending])):
                 infos[i] = info
+            if not all(infos):
+                time.sleep(0.2)
         ready = [info for info in infos if info is not None]   # all of them, by the loop above
         r.address = ready[0]["grpc"]
         r.metrics = ready[0].get("metrics") or ""
@@ -879,9 +970,9 @@ class Controller:
             raise RuntimeError("stopped while waiting for resources")
         return bool(ready)
 
-    def _tail(self, host) -> str:
+    def _tail(self, host, key: str) -> str:
         try:
-            return ray.get(host.stderr_tail.remote(), timeout=5)
+            return ray.get(host.stderr_tail.remote(key), timeout=5)
         except Exception:  # noqa: BLE001 - the host may be gone
             return ""
 
@@ -896,23 +987,25 @@ class Controller:
             self.replicas.remove(r)
 
     def _teardown_many(self, replicas: list[Replica]) -> None:
-        """Stop every rank (SIGTERM, then SIGKILL), kill the hosts, free the placement groups."""
-        refs = []
+        """Stop every rank (SIGTERM, then SIGKILL), kill the replicas' own hosts, free the
+        placement groups."""
+        by_host: dict[Any, list[str]] = {}
         for r in replicas:
-            for h in r.hosts:
-                refs.append(h.stop.remote(10.0))
+            for host, key in r.hosts:
+                by_host.setdefault(host, []).append(key)
+        refs = [host.stop.remote(keys, 10.0) for host, keys in by_host.items()]
         if refs:
             try:
                 ray.wait(refs, num_returns=len(refs), timeout=20)
             except Exception:  # noqa: BLE001
                 pass
         for r in replicas:
-            for h in r.hosts:
+            for host, _ in r.hosts if r.own_hosts else ():
                 try:
-                    ray.kill(h)
+                    ray.kill(host)
                 except Exception:  # noqa: BLE001
                     pass
-            r.hosts = []
+            r.hosts, r.own_hosts = [], False
             if r.pg is not None:
                 try:
                     remove_placement_group(r.pg)

@@ -341,6 +341,9 @@ def connect(address: str | None, *, may_start: bool = False, detach: bool = Fals
             if address is not None or not may_start:
                 raise ServeError(f"no Ray cluster at {address or 'auto'} ({exc}): nothing is serving here; "
                                  "start with `tandem serve`") from None
+    # No idle Ray worker prestarted for this driver: Tandem's actors start their own, and an idle
+    # one wakes 100 times a second on the cores the engine uses (deploy/controller.py, ProcessHost).
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     if not detach:
         ray.init(address="local", include_dashboard=False, **quiet)   # lives as long as this process
         return "local"

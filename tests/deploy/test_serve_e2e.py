@@ -116,6 +116,38 @@ def test_router_and_decode_run_at_our_niceness_and_prefill_below_them(deployment
                                                                                     "decode": [ours]}
 
 
+def test_one_ray_process_hosts_the_router_and_every_worker_and_no_idle_ray_worker_waits(deployment):
+    """Each Ray actor process wakes 100 times a second on the cores the engine uses: on a CPU node
+    one ProcessHost runs the router and every worker, and Ray prestarts no idle worker."""
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def cmdline(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError):
+            return ""
+
+    status = deployment.status()
+    hosts = {parent(p) for p in [status["router"]["pid"], *(p for w in status["workers"] for p in w["pids"])]}
+    assert len(hosts) == 1 and cmdline(hosts.pop()).startswith("ray::ProcessHost"), hosts
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(parent(int(entry.name)), []).append(int(entry.name))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    ours, todo = [], [deployment.proc.pid]       # everything `tandem serve` started, Ray's own processes too
+    while todo:
+        pid = todo.pop()
+        ours.append(pid)
+        todo += children.get(pid, [])
+    names = [cmdline(p) for p in ours]
+    assert not [n for n in names if n.startswith("ray::IDLE")], names
+    assert sum(n.startswith("ray::ProcessHost") for n in names) == 1, names
+
+
 def test_status_lists_the_router_and_every_worker(deployment):
     status = deployment.status()
     assert status["router"]["http"] == deployment.http.removeprefix("http://")
