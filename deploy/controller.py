@@ -203,13 +203,15 @@ class ProcessHost:
     def start(self, key: str, argv: list[str], ready_prefix: str, env: dict[str, str], nice: int = 0) -> int:
         if key in self.procs:
             raise ValueError(f"{self.name}: a process runs under {key!r} already")
-        self.procs[key] = ServiceProcess(f"{key}", argv, ready_prefix, env=env, die_with_parent=True,
+        self.procs[key] = ServiceProcess(key, argv, ready_prefix, env=env, die_with_parent=True,
                                          stderr_tail=40, nice=nice)
         return self.procs[key].pid
 
     def poll_ready(self, key: str) -> dict[str, Any] | None:
         """The ready line once it came; raises (with the stderr tail) when the child died first."""
-        return self._proc(key).poll_ready(0.0)
+        if key not in self.procs:
+            raise KeyError(f"{self.name}: no process under {key!r}")
+        return self.procs[key].poll_ready(0.0)
 
     def returncodes(self, keys: list[str]) -> list[int | None]:
         """Each child's exit code, None while it runs; -9 for a key this host does not know."""
@@ -227,11 +229,6 @@ class ProcessHost:
                 p.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         return [None if p is None else p.stop(max(0.0, deadline - time.monotonic())) for p in procs]
-
-    def _proc(self, key: str) -> ServiceProcess:
-        if key not in self.procs:
-            raise KeyError(f"{self.name}: no process under {key!r}")
-        return self.procs[key]
 
 
 # -- the controller --------------------------------------------------------------------------

@@ -283,24 +283,22 @@ static inline __attribute__((always_inline)) void tile_dot_bf16(
         if (nt == NT) FN(x, x_stride, MBC, w, NT, K, out, out_stride);                     \
         else FN(x, x_stride, MBC, w, nt, K, out, out_stride);                              \
         break;
+#define TILE_SWITCH(FN)                                                                    \
+    switch (mb) {                                                                          \
+        TILE_CASE(FN, 1) TILE_CASE(FN, 2) TILE_CASE(FN, 3)                                 \
+        TILE_CASE(FN, 4) TILE_CASE(FN, 5) TILE_CASE(FN, 6)                                 \
+        default: break;                                                                    \
+    }
 
 static void tile_rows(const float *x, int64_t x_stride, int mb, const float *w, int nt, int64_t K,
                       float *out, int64_t out_stride) {
-    switch (mb) {
-        TILE_CASE(tile_dot, 1) TILE_CASE(tile_dot, 2) TILE_CASE(tile_dot, 3)
-        TILE_CASE(tile_dot, 4) TILE_CASE(tile_dot, 5) TILE_CASE(tile_dot, 6)
-        default: break;
-    }
+    TILE_SWITCH(tile_dot)
 }
 
 #if HAVE_DPBF16
 static void tile_rows_bf16(const uint16_t *x, int64_t x_stride, int mb, const uint16_t *w, int nt, int64_t K,
                            uint16_t *out, int64_t out_stride) {
-    switch (mb) {
-        TILE_CASE(tile_dot_bf16, 1) TILE_CASE(tile_dot_bf16, 2) TILE_CASE(tile_dot_bf16, 3)
-        TILE_CASE(tile_dot_bf16, 4) TILE_CASE(tile_dot_bf16, 5) TILE_CASE(tile_dot_bf16, 6)
-        default: break;
-    }
+    TILE_SWITCH(tile_dot_bf16)
 }
 #endif
 
