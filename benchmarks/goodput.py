@@ -15,6 +15,11 @@ the first prompts the server still has in its prefix cache; the hits are counted
   its local-prefill threshold);
 - ``tandem-pd``: ``tandem serve --local-prefill-max-tokens 0`` (every prompt prefilled on the
   prefill worker, decode isolated from prefill bursts);
+- ``tandem-slo``: the defaults told the objectives, as a user with them would:
+  ``--max-predicted-wait-s <TTFT objective> --max-tpot-s <TPOT objective x --tpot-margin>``. The
+  router refuses (429) a request whose first token it predicts later than the one, or while the
+  running streams are slower than the other (router/admission.py), so the requests it takes keep
+  their SLOs under overload; a refused request counts as failed, never as good;
 - ``vllm``: ``../shared/peers/vllm_serve.sh`` (vLLM-CPU 0.32 in its best dtype for the CPU).
 
 Prints per rate each system's goodput, completed/failed, TTFT and TPOT p50/p99, then vLLM's
@@ -23,7 +28,7 @@ Default SLOs (TTFT <= 3 s, TPOT <= 100 ms) are what a CPU serving SmolLM2-135M c
 light load: a 1.5k-token prompt prefills in ~0.6 s and a decode step of a few sequences takes
 20-60 ms on 2 cores, so a missed SLO means queueing or interference, not the hardware's floor.
 
-    python benchmarks/goodput.py [--rates 0.25,0.5,1,2] [--num-prompts 24] [--systems tandem,tandem-pd,vllm]
+    python benchmarks/goodput.py [--rates 0.25,0.5,1,2] [--num-prompts 24] [--systems tandem,tandem-pd,tandem-slo,vllm]
                                  [--slo-ttft-ms 3000] [--slo-tpot-ms 100] [--tandem-args "--chunked-prefill-size 1024"]
                                  [--out /tmp/tandem-goodput]
 
@@ -53,6 +58,8 @@ SYSTEMS = {
                "smollm2-135m-instruct", "Tandem is serving", 600),
     "tandem-pd": ([TANDEM, "serve", "--address", "local", "--http-port", "8000", "--grpc-port", "0",
                    "--local-prefill-max-tokens", "0"], 8000, "smollm2-135m-instruct", "Tandem is serving", 600),
+    "tandem-slo": ([TANDEM, "serve", "--address", "local", "--http-port", "8000", "--grpc-port", "0"], 8000,
+                   "smollm2-135m-instruct", "Tandem is serving", 600),   # + the SLO flags (main)
     "vllm": (["bash", str(PEERS / "vllm_serve.sh")], 8100, "smollm2-135m", None, 900),
 }
 ROW = ("request_goodput", "completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
@@ -127,8 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    parser.add_argument("--tpot-margin", type=float, default=0.8,
+                        help="tandem-slo's --max-tpot-s is this share of the TPOT objective (the streams taken "
+                             "while the pace is just under the limit slow it further)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/tandem-goodput"))
-    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags for tandem and tandem-pd")
+    parser.add_argument("--tandem-args", default="", help="extra `tandem serve` flags for the tandem systems")
     args = parser.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     systems = args.systems.split(",")
@@ -143,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         cmd, port, model, ready, timeout_s = SYSTEMS[name]
         if name.startswith("tandem"):
             cmd = [*cmd, *shlex.split(args.tandem_args)]
+        if name == "tandem-slo":
+            cmd = [*cmd, "--max-predicted-wait-s", f"{args.slo_ttft_ms / 1000:g}",
+                   "--max-tpot-s", f"{args.slo_tpot_ms * args.tpot_margin / 1000:g}"]
         proc, summary[f"{name}_startup_s"] = serve(name, cmd, port, args.out / f"{name}.log", timeout_s, ready)
         try:
             results[name] = {rate: run_rate(name, port, model, rate, args) for rate in rates}

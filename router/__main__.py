@@ -63,6 +63,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                         http_port=args.http_port, grpc_port=args.grpc_port, prefill=tuple(args.prefill),
                         decode=tuple(args.decode), api_key=args.api_key, prefill_policy=args.prefill_policy,
                         decode_policy=args.decode_policy, max_waiting=args.max_waiting,
+                        max_predicted_wait_s=args.max_predicted_wait_s, max_tpot_s=args.max_tpot_s,
                         max_sub_requests=args.max_sub_requests, max_prompt_chars=args.max_prompt_chars,
                         max_request_body_bytes=args.max_request_body_bytes,
                         grpc_max_concurrent_rpcs=args.grpc_max_concurrent_rpcs,

@@ -29,6 +29,10 @@ class RouterConfig:
     prefill_policy: str = "cache_aware"
     decode_policy: str = "least_load"
     max_waiting: int = 1024                # sub-requests (prompts x n) waiting for their first token before 429
+    max_predicted_wait_s: float = 0.0      # 429 when a request's predicted wait for its first token is longer
+    #                                        (router/admission.py; 0 = no such limit)
+    max_tpot_s: float = 0.0                # 429 while the running streams' recent time per output token is
+    #                                        longer (router/admission.py; 0 = no such limit)
     max_sub_requests: int = 128            # prompts x n in one request; more is a 400
     max_prompt_chars: int = 4 << 20        # characters of a text prompt, or of all chat messages together
     max_request_body_bytes: int = 16 << 20  # HTTP request body, checked before parsing (413); also the
@@ -79,6 +83,9 @@ class RouterConfig:
             raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
         if self.max_missed_heartbeats < 1:
             raise ValueError(f"max_missed_heartbeats must be >= 1, got {self.max_missed_heartbeats}")
+        for name in ("max_predicted_wait_s", "max_tpot_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds (0: no limit), got {getattr(self, name)}")
         if self.failover_wait_s < 0:
             raise ValueError(f"failover_wait_s must be >= 0, got {self.failover_wait_s}")
         if self.drain_move_after_s is not None and not self.drain_move_after_s >= 0:
@@ -112,6 +119,13 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
     d = RouterConfig()
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="sub-requests (prompts x n) waiting for their first token before 429")
+    p.add_argument("--max-predicted-wait-s", type=float, default=d.max_predicted_wait_s, metavar="S",
+                   help="429 for a request whose first token would come later than S seconds: the prompt tokens "
+                        "waiting for a first token plus its own, over the rate that queue has drained while busy "
+                        "(set it to your TTFT objective; 0 = no limit, only --max-waiting)")
+    p.add_argument("--max-tpot-s", type=float, default=d.max_tpot_s, metavar="S",
+                   help="429 while the running streams' recent time per output token is longer than S seconds "
+                        "(set it a little under your TPOT objective; 0 = no limit)")
     p.add_argument("--max-sub-requests", type=int, default=d.max_sub_requests,
                    help="most prompts x n in one request (more is a 400)")
     p.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,

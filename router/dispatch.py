@@ -69,6 +69,7 @@ from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.streams import PeerFailure
 from protos.tandem.v1 import worker_pb2
 from router import errors
+from router.admission import WaitingQueue
 from router.policies import Policy
 from router.registry import WorkerRegistry, WorkerState, cancel_requested
 from router.session import DecodeSession, PrefillSession, SessionCall
@@ -156,7 +157,7 @@ class Dispatch:
     progress: _Progress
     sampling: worker_pb2.SamplingParams
     first: Attempt | None
-    waiting: bool = True    # no token streamed yet: counted in ``Dispatcher.num_waiting``
+    waiting: bool = True    # no token streamed yet: in ``Dispatcher.waiting``
 
 
 class Dispatcher:
@@ -174,7 +175,7 @@ class Dispatcher:
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.drain_move_after_s = drain_move_after_s
         self._movers: set[asyncio.Task] = set()        # drains waiting to move their streams (_move_streams)
-        self.num_waiting = 0          # requests without their first token yet
+        self.waiting = WaitingQueue()   # requests without their first token yet
         self._attempts: dict[str, set[Attempt]] = {}   # by worker address: the attempts holding it
         self._background: set[asyncio.Task] = set()
         registry.on_removed(self._worker_removed)
@@ -194,7 +195,7 @@ class Dispatcher:
         internal_id = f"{request_id[:MAX_CLIENT_REQUEST_ID_CHARS]}.{os.urandom(8).hex()}"
         logger.debug("request_id=%s is client request_id=%r", internal_id, request_id)
         first = self._start(internal_id, progress, sampling, set())
-        self.num_waiting += 1
+        self.waiting.enter(len(progress.prompt_token_ids))
         return Dispatch(internal_id, progress, sampling, first)
 
     def abandon(self, dispatch: Dispatch) -> None:
@@ -202,7 +203,7 @@ class Dispatcher:
         aborted at its workers. Nothing to do once ``events`` has begun."""
         attempt, dispatch.first = dispatch.first, None
         if attempt is not None:
-            self.num_waiting -= 1
+            self._left_queue(dispatch, first_token=False)
             self._end(attempt)
 
     async def events(self, dispatch: Dispatch) -> AsyncGenerator[TokenEvent, None]:
@@ -246,7 +247,15 @@ class Dispatcher:
             raise errors.unavailable(f"the request failed on {self.max_attempts} worker pairs")
         finally:
             if dispatch.waiting:
-                self.num_waiting -= 1
+                self._left_queue(dispatch, first_token=False)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.waiting.num_requests
+
+    def _left_queue(self, dispatch: Dispatch, first_token: bool) -> None:
+        dispatch.waiting = False
+        self.waiting.leave(len(dispatch.progress.prompt_token_ids), first_token)
 
     def _event(self, dispatch: Dispatch, attempt: Attempt, responses: list[worker_pb2.GenerateResponse]) -> TokenEvent:
         """One event for every message of D's stream since the last (one per engine step while
@@ -260,8 +269,7 @@ class Dispatcher:
             logprobs = [lp for r in responses for lp in r.logprobs]
         finish_reason = response.finish_reason
         if token_ids and dispatch.waiting:
-            dispatch.waiting = False
-            self.num_waiting -= 1
+            self._left_queue(dispatch, first_token=True)
         if token_ids or finish_reason:
             self._reach(attempt, Stage.STREAMING)
         progress.output_token_ids += token_ids

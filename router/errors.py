@@ -6,6 +6,7 @@ control character reaches neither raw.
 """
 from __future__ import annotations
 
+import math
 import re
 
 import grpc
@@ -74,6 +75,20 @@ def overloaded(num_waiting: int, max_waiting: int, num_new: int = 1) -> RouterEr
                        f"too many requests waiting ({num_waiting} waiting + {num_new} new > "
                        f"max_waiting={max_waiting}); "
                        "retry later", "rate_limit_error", code="queue_full", retry_after_s=1)
+
+
+def wait_too_long(wait_s: float, max_wait_s: float, num_waiting_tokens: int, num_new_tokens: int) -> RouterError:
+    return RouterError(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"the first token would come in about {wait_s:.1f} s ({num_waiting_tokens} prompt tokens "
+                       f"waiting + {num_new_tokens} new at the rate the queue drains), more than "
+                       f"max_predicted_wait_s={max_wait_s:g}; retry later", "rate_limit_error", code="queue_full",
+                       retry_after_s=max(1, math.ceil(wait_s - max_wait_s)))
+
+
+def decode_too_slow(pace_s: float, max_tpot_s: float) -> RouterError:
+    return RouterError(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       f"the running streams take {pace_s * 1000:.0f} ms per output token, more than max_tpot_s="
+                       f"{max_tpot_s:g}; retry later", "rate_limit_error", code="queue_full", retry_after_s=1)
 
 
 def body_too_large(max_bytes: int) -> RouterError:

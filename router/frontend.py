@@ -3,10 +3,10 @@
 ``Frontend.prepare_*`` turns a public request into a ``PreparedRequest`` (or raises
 RouterError); they template and tokenize, so the APIs call them off the event loop
 (``asyncio.to_thread``) and a huge request never stalls the others or ``/health``.
-``Frontend.admit`` then refuses a request whose sub-requests would overfill the waiting queue
-(429). ``Frontend.stream`` yields ``TextChunk``s: text deltas with their token ids, the
-last one with finish_reason and usage. Closing the stream early (client gone) or a stop string
-aborts the request at both workers through the dispatcher.
+``Frontend.admit`` then refuses a request whose sub-requests would overfill the waiting queue or
+miss the latency limits (429; router/admission.py). ``Frontend.stream`` yields ``TextChunk``s:
+text deltas with their token ids, the last one with finish_reason and usage. Closing the stream
+early (client gone) or a stop string aborts the request at both workers through the dispatcher.
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from engine.tokenizer import Tokenizer
 from protos.limits import MAX_CLIENT_REQUEST_ID_CHARS, ROLES
 from protos.tandem.v1 import tandem_pb2, worker_pb2
 from router import errors
+from router.admission import DecodePace
 from router.config import RouterConfig
 from router.dispatch import Dispatch, Dispatcher
 from router.metrics import RouterMetrics
@@ -73,6 +74,9 @@ class Frontend:
         self.metrics = metrics
         self.model_name = config.model_name
         self.max_waiting = config.max_waiting
+        self.max_predicted_wait_s = config.max_predicted_wait_s
+        self.max_tpot_s = config.max_tpot_s
+        self.decode_pace = DecodePace()
         self.max_sub_requests = config.max_sub_requests
         self.max_prompt_chars = config.max_prompt_chars
         self.tool_format = ToolFormat.resolve(config.tool_call_parser, config.enable_auto_tool_choice, tokenizer)
@@ -198,20 +202,33 @@ class Frontend:
                                     self.tokenizer.vocab_size)
         return PreparedRequest(request_id, token_ids, prepared.params, prepared.stop)
 
-    def admit(self, num_sub_requests: int = 1) -> None:
-        """Raise before streaming starts if the request cannot be taken now (429 / 503). Its
-        sub-requests (prompts x n) all count against max_waiting; on an empty queue any request
-        that passed check_fan_out is taken, so a small max_waiting never starves it. The queue is
-        the dispatcher's: a request admitted a moment ago whose streams have not started yet is
-        not in it, so a burst can overshoot by about one request's sub-requests."""
+    def admit(self, requests: Sequence[PreparedRequest]) -> None:
+        """Raise before streaming starts if the request's sub-requests (prompts x n) cannot be
+        taken now (429 / 503). They all count against max_waiting; with max_predicted_wait_s
+        their prompt tokens join the queue's in the predicted wait for a first token, and with
+        max_tpot_s none is taken while the running streams are slower than that
+        (router/admission.py). On an empty queue the queue's limits take any request that passed
+        check_fan_out, so a small limit never starves it. The queue is the dispatcher's: a
+        request admitted a moment ago whose streams have not started yet is not in it, so a
+        burst can overshoot by about one request's sub-requests."""
         # With local prefill on, a short prompt needs a decode worker only (the dispatcher refuses
         # a long one when no prefill worker is left).
         for role in ("decode",) if self.dispatcher.local_prefill_max_tokens else ROLES:
             if not self.registry.healthy(role):
                 raise errors.unavailable(f"no {role} worker is available")
-        num_waiting = self.dispatcher.num_waiting
-        if num_waiting and num_waiting + num_sub_requests > self.max_waiting:
-            raise errors.overloaded(num_waiting, self.max_waiting, num_sub_requests)
+        queue = self.dispatcher.waiting
+        if queue.num_requests:
+            if queue.num_requests + len(requests) > self.max_waiting:
+                raise errors.overloaded(queue.num_requests, self.max_waiting, len(requests))
+            if self.max_predicted_wait_s:
+                num_tokens = sum(len(r.prompt_token_ids) for r in requests)
+                wait_s = queue.predicted_wait_s(num_tokens)
+                if wait_s is not None and wait_s > self.max_predicted_wait_s:
+                    raise errors.wait_too_long(wait_s, self.max_predicted_wait_s, queue.num_tokens, num_tokens)
+        if self.max_tpot_s:
+            pace_s = self.decode_pace.seconds_per_token()
+            if pace_s is not None and pace_s > self.max_tpot_s:
+                raise errors.decode_too_slow(pace_s, self.max_tpot_s)
 
     # -- streaming --------------------------------------------------------------------------
 
@@ -249,6 +266,8 @@ class Frontend:
                 now_s = time.perf_counter()
                 if token_ids:
                     (self.metrics.ttft if num_output_tokens == 0 else self.metrics.itl).observe(now_s - last_s)
+                    if num_output_tokens:
+                        self.decode_pace.add(now_s - last_s, len(token_ids))
                     first_s = now_s if num_output_tokens == 0 else first_s
                     last_s = now_s
                     num_output_tokens += len(token_ids)

@@ -161,7 +161,7 @@ class TandemServicer(tandem_pb2_grpc.TandemServicer):
         """Validate, template, tokenize (off the loop when large) and admit; raises RouterError."""
         prepare, inline = self.preparer(request)
         prepared = prepare() if inline else await asyncio.to_thread(prepare)
-        self.frontend.admit()
+        self.frontend.admit([prepared])
         return prepared
 
     async def _stream(self, request, context: grpc.aio.ServicerContext):
@@ -296,7 +296,7 @@ class Multiplexed:
             frontend = self._servicer.frontend
             try:
                 prepared = prepare()
-                frontend.admit()
+                frontend.admit([prepared])
                 opened = prepared, frontend.open(prepared)
             except errors.RouterError as exc:
                 self._fail(key, exc.grpc_code, exc.message)

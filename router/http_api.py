@@ -296,7 +296,7 @@ class HttpApi:
         self.frontend.check_fan_out(len(prompts), body.n)
         sampling = body.sampling(body.max_tokens, body.logprobs)
         requests = await self._off_loop(nbytes, self._prepare_completions, body, prompts, sampling)
-        self.frontend.admit(len(requests))
+        self.frontend.admit(requests)
         response_id = f"cmpl-{requests[0].request_id}"
         created = int(time.time())
         model = self.frontend.model_name
@@ -362,7 +362,7 @@ class HttpApi:
             tools.constrain(sampling)
         messages = [m.as_dict() for m in body.messages]
         requests = await self._off_loop(nbytes, self._prepare_chat, body, messages, sampling, tools)
-        self.frontend.admit(len(requests))
+        self.frontend.admit(requests)
         response_id = f"chatcmpl-{requests[0].request_id}"
         created = int(time.time())
         model = self.frontend.model_name

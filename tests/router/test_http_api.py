@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import httpx
 import openai
 import pytest
 
+from router.admission import MIN_DRAINED
 from router.config import RouterConfig
 from router.server import Router
 from tests.metrics import metric
@@ -179,6 +181,49 @@ def test_full_waiting_queue_is_429_with_retry_after(loop_thread, tokenizer):
         _assert_error(response, 429, "rate_limit_error", "max_waiting=1")
         assert response.headers["retry-after"] == "1"
         first.join(10)
+    finally:
+        loop_thread.run(stop_fake_cluster(cluster))
+
+
+def test_a_request_whose_first_token_would_come_too_late_is_429_and_one_on_an_empty_queue_is_taken(
+        loop_thread, tokenizer):
+    # Every first token takes one 0.4 s decode step: with one request waiting, a new one's
+    # predicted wait is about 2 x 0.4 s, over the 0.6 s limit; alone it is taken at once.
+    cluster = loop_thread.run(start_fake_cluster(tokenizer, max_predicted_wait_s=0.6,
+                                                 decode_options={"token_interval_s": 0.4}))
+    try:
+        body = {"model": MODEL, "prompt": "a b c", "max_tokens": 1}
+        for _ in range(MIN_DRAINED):   # alone each time: the queue learns its rate
+            assert _post(cluster.http, "/v1/completions", body).status_code == 200
+        first = threading.Thread(target=_post, args=(cluster.http, "/v1/completions", body))
+        first.start()
+        loop_thread.run(until(lambda: cluster.router.dispatcher.num_waiting == 1))
+        response = _post(cluster.http, "/v1/completions", body)
+        _assert_error(response, 429, "rate_limit_error", "max_predicted_wait_s=0.6")
+        assert int(response.headers["retry-after"]) >= 1
+        first.join(10)
+        assert _post(cluster.http, "/v1/completions", body).status_code == 200
+    finally:
+        loop_thread.run(stop_fake_cluster(cluster))
+
+
+def test_a_slow_decode_pace_refuses_new_requests_until_it_recovers(loop_thread, tokenizer):
+    # One 0.3 s decode step per token, over max_tpot_s=0.2: a request is taken while nothing
+    # streams (no pace yet), refused while a long one streams at that pace, taken again after.
+    cluster = loop_thread.run(start_fake_cluster(tokenizer, max_tpot_s=0.2,
+                                                 decode_options={"token_interval_s": 0.3}))
+    try:
+        long = threading.Thread(target=_post, args=(cluster.http, "/v1/completions",
+                                                    {"model": MODEL, "prompt": "a", "max_tokens": 40}))
+        long.start()
+        body = {"model": MODEL, "prompt": "b", "max_tokens": 1}
+        loop_thread.run(until(lambda: cluster.router.frontend.decode_pace.seconds_per_token() is not None,
+                              timeout_s=20))
+        response = _post(cluster.http, "/v1/completions", body)
+        _assert_error(response, 429, "rate_limit_error", "max_tpot_s=0.2")
+        long.join(30)
+        cluster.router.frontend.decode_pace.clock = lambda: time.monotonic() + 3600   # an hour later
+        assert _post(cluster.http, "/v1/completions", body).status_code == 200
     finally:
         loop_thread.run(stop_fake_cluster(cluster))
 

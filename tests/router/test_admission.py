@@ -1,0 +1,86 @@
+"""The router's waiting queue: its drain rate and the wait it predicts (router/admission.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from router.admission import MIN_DRAINED, MIN_PACED_TOKENS, DecodePace, WaitingQueue
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def serve_one_at_a_time(queue: WaitingQueue, clock: Clock, num_tokens: int, ttft_s: float, count: int) -> None:
+    for _ in range(count):
+        queue.enter(num_tokens)
+        clock.now_s += ttft_s
+        queue.leave(num_tokens, first_token=True)
+
+
+def test_the_rate_is_tokens_over_busy_time_and_idle_time_does_not_lower_it():
+    clock = Clock()
+    queue = WaitingQueue(window_s=1e9, clock=clock)   # no decay: plain sums
+    assert queue.predicted_wait_s(100) is None        # nothing measured yet
+    serve_one_at_a_time(queue, clock, 200, 0.5, MIN_DRAINED)
+    assert queue.tokens_per_s() == pytest.approx(400.0)
+    clock.now_s += 60.0                               # a minute with nothing waiting
+    assert queue.tokens_per_s() == pytest.approx(400.0)
+    queue.enter(300)                                  # one waiting: 300 + 100 new tokens at 400/s
+    assert queue.predicted_wait_s(100) == pytest.approx(1.0)
+    assert (queue.num_requests, queue.num_tokens) == (1, 300)
+
+
+def test_the_rate_is_not_trusted_before_enough_first_tokens():
+    clock = Clock()
+    queue = WaitingQueue(clock=clock)
+    serve_one_at_a_time(queue, clock, 100, 10.0, MIN_DRAINED - 1)   # slow first requests (warm-up)
+    assert queue.predicted_wait_s(100) is None
+    serve_one_at_a_time(queue, clock, 100, 10.0, 1)
+    assert queue.predicted_wait_s(100) is not None
+
+
+def test_a_request_gone_before_its_first_token_leaves_the_queue_but_drains_nothing():
+    clock = Clock()
+    queue = WaitingQueue(window_s=1e9, clock=clock)
+    serve_one_at_a_time(queue, clock, 100, 1.0, MIN_DRAINED)
+    queue.enter(100)
+    clock.now_s += 1.0
+    queue.leave(100, first_token=False)
+    assert (queue.num_requests, queue.num_tokens, queue.num_drained) == (0, 0, MIN_DRAINED)
+    assert queue.tokens_per_s() == pytest.approx(400 / 5)   # its second counts as busy, its tokens did not drain
+
+
+def test_the_rate_follows_a_slower_load_within_a_few_windows():
+    clock = Clock()
+    queue = WaitingQueue(window_s=10.0, clock=clock)
+    serve_one_at_a_time(queue, clock, 1000, 1.0, 100)    # 1000 tok/s for 100 s
+    assert queue.tokens_per_s() == pytest.approx(1000.0, rel=1e-3)
+    serve_one_at_a_time(queue, clock, 1000, 4.0, 20)     # then 250 tok/s for 80 s (8 windows)
+    assert queue.tokens_per_s() == pytest.approx(250.0, rel=0.01)
+
+
+def test_a_queue_that_drained_nothing_while_busy_predicts_an_endless_wait():
+    clock = Clock()
+    queue = WaitingQueue(window_s=1.0, clock=clock)
+    serve_one_at_a_time(queue, clock, 10, 0.1, MIN_DRAINED)
+    queue.enter(10)
+    clock.now_s += 2000.0   # stuck: the decayed tokens underflow to 0, the busy time does not
+    assert queue.predicted_wait_s(10) == math.inf
+
+
+def test_the_decode_pace_is_seconds_over_tokens_and_unknown_once_streams_go_quiet():
+    clock = Clock()
+    pace = DecodePace(window_s=5.0, clock=clock)
+    pace.add(0.1, MIN_PACED_TOKENS - 1)
+    assert pace.seconds_per_token() is None   # too few tokens yet
+    pace.add(0.05, 1)                         # a stream's next token 50 ms after its last ...
+    pace.add(0.20, 4)                         # ... and one that lagged and caught up with four in one message
+    assert pace.seconds_per_token() == pytest.approx(0.35 / (MIN_PACED_TOKENS + 4))
+    clock.now_s += 60.0                       # nothing streamed for a minute: no pace to refuse on
+    assert pace.seconds_per_token() is None
