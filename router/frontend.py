@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import jinja2
 
@@ -219,16 +220,22 @@ class Frontend:
         queue = self.dispatcher.waiting
         if queue.num_requests:
             if queue.num_requests + len(requests) > self.max_waiting:
-                raise errors.overloaded(queue.num_requests, self.max_waiting, len(requests))
+                self._refuse("max_waiting", errors.overloaded(queue.num_requests, self.max_waiting, len(requests)))
             if self.max_predicted_wait_s:
                 num_tokens = sum(len(r.prompt_token_ids) for r in requests)
                 wait_s = queue.predicted_wait_s(num_tokens)
                 if wait_s is not None and wait_s > self.max_predicted_wait_s:
-                    raise errors.wait_too_long(wait_s, self.max_predicted_wait_s, queue.num_tokens, num_tokens)
+                    self._refuse("max_predicted_wait_s", errors.wait_too_long(
+                        wait_s, self.max_predicted_wait_s, queue.num_tokens, num_tokens))
         if self.max_tpot_s:
             pace_s = self.decode_pace.seconds_per_token()
             if pace_s is not None and pace_s > self.max_tpot_s:
-                raise errors.decode_too_slow(pace_s, self.max_tpot_s)
+                self._refuse("max_tpot_s", errors.decode_too_slow(pace_s, self.max_tpot_s))
+
+    def _refuse(self, limit: str, exc: errors.RouterError) -> NoReturn:
+        self.metrics.refused.labels(limit).inc()
+        self.metrics.errors.labels(str(exc.http_status)).inc()
+        raise exc
 
     # -- streaming --------------------------------------------------------------------------
 

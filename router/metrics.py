@@ -30,6 +30,11 @@ class RouterMetrics:
         # rather than "no data" (others, e.g. 404 or 409 from a worker, appear when they happen).
         for status in ("400", "429", "500", "503"):
             self.errors.labels(status)
+        # Requests refused at admission (429, also in tandem_request_errors), by the limit that refused them.
+        self.refused = Counter("tandem_request_refused", "Requests refused at admission, by limit", ["limit"],
+                               registry=r)
+        for limit in ("max_waiting", "max_predicted_wait_s", "max_tpot_s"):
+            self.refused.labels(limit)
         self.failovers = Counter("tandem_request_failovers", "Requests re-dispatched to a new worker pair",
                                  registry=r)
         self.prompt_tokens = Counter("tandem_prompt_tokens", "Prompt tokens of finished requests", registry=r)

@@ -13,7 +13,7 @@ import pytest
 from router.admission import MIN_DRAINED
 from router.config import RouterConfig
 from router.server import Router
-from tests.metrics import metric
+from tests.metrics import metric, samples
 from tests.router.clusters import MODEL, start_fake_cluster, stop_fake_cluster, until
 from tests.router.fake_workers import fake_completion
 
@@ -179,6 +179,8 @@ def test_full_waiting_queue_is_429_with_retry_after(loop_thread, tokenizer):
         loop_thread.run(until(lambda: cluster.router.dispatcher.num_waiting == 1))
         response = _post(cluster.http, "/v1/completions", body)
         _assert_error(response, 429, "rate_limit_error", "max_waiting=1")
+        page = samples(httpx.get(f"{cluster.http}/metrics").text)
+        assert page['tandem_request_refused_total{limit="max_waiting"}'] == 1
         assert response.headers["retry-after"] == "1"
         first.join(10)
     finally:
@@ -201,6 +203,9 @@ def test_a_request_whose_first_token_would_come_too_late_is_429_and_one_on_an_em
         response = _post(cluster.http, "/v1/completions", body)
         _assert_error(response, 429, "rate_limit_error", "max_predicted_wait_s=0.6")
         assert int(response.headers["retry-after"]) >= 1
+        page = samples(httpx.get(f"{cluster.http}/metrics").text)
+        assert page['tandem_request_refused_total{limit="max_predicted_wait_s"}'] == 1
+        assert page['tandem_request_errors_total{status="429"}'] == 1
         first.join(10)
         assert _post(cluster.http, "/v1/completions", body).status_code == 200
     finally:
@@ -221,6 +226,8 @@ def test_a_slow_decode_pace_refuses_new_requests_until_it_recovers(loop_thread, 
                               timeout_s=20))
         response = _post(cluster.http, "/v1/completions", body)
         _assert_error(response, 429, "rate_limit_error", "max_tpot_s=0.2")
+        page = samples(httpx.get(f"{cluster.http}/metrics").text)
+        assert page['tandem_request_refused_total{limit="max_tpot_s"}'] == 1
         long.join(30)
         cluster.router.frontend.decode_pace.clock = lambda: time.monotonic() + 3600   # an hour later
         assert _post(cluster.http, "/v1/completions", body).status_code == 200
