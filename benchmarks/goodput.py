@@ -22,8 +22,9 @@ the first prompts the server still has in its prefix cache; the hits are counted
   their SLOs under overload; a refused request counts as failed, never as good;
 - ``vllm``: ``../shared/peers/vllm_serve.sh`` (vLLM-CPU 0.32 in its best dtype for the CPU).
 
-Prints per rate each system's goodput, completed/failed, TTFT and TPOT p50/p99, then vLLM's
-knee (the lowest rate after which its goodput rises by less than 5%) and Tandem's goodput there.
+Prints per rate each system's goodput, completed/failed (and the router's refusals by limit), TTFT
+and TPOT p50/p99, then vLLM's knee (the lowest rate after which its goodput rises by less than
+5%) and Tandem's goodput there.
 Default SLOs (TTFT <= 3 s, TPOT <= 100 ms) are what a CPU serving SmolLM2-135M can meet at
 light load: a 1.5k-token prompt prefills in ~0.6 s and a decode step of a few sequences takes
 20-60 ms on 2 cores, so a missed SLO means queueing or interference, not the hardware's floor.
@@ -45,6 +46,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
+
 # Run as a script, this file's folder comes first on sys.path: put the repository root there.
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
@@ -63,7 +66,17 @@ SYSTEMS = {
     "vllm": (["bash", str(PEERS / "vllm_serve.sh")], 8100, "smollm2-135m", None, 900),
 }
 ROW = ("request_goodput", "completed", "failed", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-       "prefix_hit_tokens")
+       "prefix_hit_tokens", "refused")
+
+
+def refused(name: str, port: int) -> dict[str, float]:
+    """Requests the router has refused at admission since it started, by limit (Tandem only)."""
+    if not name.startswith("tandem"):
+        return {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    prefix = 'tandem_request_refused_total{limit="'
+    return {line[len(prefix):].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(prefix)}
 
 
 def run_rate(name: str, port: int, model: str, rate: float, args: argparse.Namespace) -> dict:
@@ -75,10 +88,12 @@ def run_rate(name: str, port: int, model: str, rate: float, args: argparse.Names
             "--seed", str(scenario_seed(args.seed, f"rate{rate:g}")),
             "--ignore-eos", "--slo-ttft-ms", str(args.slo_ttft_ms), "--slo-tpot-ms", str(args.slo_tpot_ms),
             "--timeout-s", "600", "--no-progress", "--json"]
-    hits = prefix_hit_tokens(name, port)
+    hits, refused_before = prefix_hit_tokens(name, port), refused(name, port)
     done = subprocess.run(argv, capture_output=True, text=True, check=True)
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     summary["prefix_hit_tokens"] = prefix_hit_tokens(name, port) - hits
+    summary["refused"] = {k: int(v - refused_before.get(k, 0)) for k, v in refused(name, port).items()
+                          if v > refused_before.get(k, 0)}
     path.write_text(json.dumps(summary, indent=1))
     row = {k: summary.get(k) for k in ROW}
     print(f"[{name}] rate {rate:g}/s: " + ", ".join(f"{k} {_fmt(v)}" for k, v in row.items()), flush=True)
@@ -134,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    parser.add_argument("--tpot-margin", type=float, default=0.8,
+    parser.add_argument("--tpot-margin", type=float, default=0.9,
                         help="tandem-slo's --max-tpot-s is this share of the TPOT objective (the streams taken "
                              "while the pace is just under the limit slow it further)")
     parser.add_argument("--out", type=Path, default=Path("/tmp/tandem-goodput"))

@@ -80,7 +80,7 @@ def overloaded(num_waiting: int, max_waiting: int, num_new: int = 1) -> RouterEr
 def wait_too_long(wait_s: float, max_wait_s: float, num_waiting_tokens: int, num_new_tokens: int) -> RouterError:
     return RouterError(429, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        f"the first token would come in about {wait_s:.1f} s ({num_waiting_tokens} prompt tokens "
-                       f"waiting + {num_new_tokens} new at the rate the queue drains), more than "
+                       f"waiting + {num_new_tokens} new, at what the queue has cost to drain), more than "
                        f"max_predicted_wait_s={max_wait_s:g}; retry later", "rate_limit_error", code="queue_full",
                        retry_after_s=max(1, math.ceil(wait_s - max_wait_s)))
 

@@ -223,7 +223,7 @@ class Frontend:
                 self._refuse("max_waiting", errors.overloaded(queue.num_requests, self.max_waiting, len(requests)))
             if self.max_predicted_wait_s:
                 num_tokens = sum(len(r.prompt_token_ids) for r in requests)
-                wait_s = queue.predicted_wait_s(num_tokens)
+                wait_s = queue.predicted_wait_s(num_tokens, len(requests))
                 if wait_s is not None and wait_s > self.max_predicted_wait_s:
                     self._refuse("max_predicted_wait_s", errors.wait_too_long(
                         wait_s, self.max_predicted_wait_s, queue.num_tokens, num_tokens))
