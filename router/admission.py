@@ -113,6 +113,7 @@ class DecodePace:
         self._seconds = 0.0   # decayed: time between a stream's messages after its first token
         self._tokens = 0.0    # decayed: the tokens those messages carried
         self._last_s = clock()
+        self.num_streams = 0  # streams running now (Frontend.stream)
 
     def add(self, seconds: float, num_tokens: int) -> None:
         """A stream's message of ``num_tokens`` tokens, ``seconds`` after its previous one."""
@@ -121,9 +122,12 @@ class DecodePace:
         self._tokens += num_tokens
 
     def seconds_per_token(self) -> float | None:
-        """The recent time per output token; None when too few tokens streamed lately."""
+        """The recent time per output token; None when no stream runs (the pace of streams that
+        have all ended says nothing of a new one's) or too few tokens streamed lately."""
         self._advance()
-        return self._seconds / self._tokens if self._tokens >= MIN_PACED_TOKENS else None
+        if not self.num_streams or self._tokens < MIN_PACED_TOKENS:
+            return None
+        return self._seconds / self._tokens
 
     def _advance(self) -> None:
         now = self.clock()

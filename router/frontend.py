@@ -267,6 +267,7 @@ class Frontend:
         num_output_tokens = 0
         events = self.dispatcher.events(dispatch)
         self.metrics.running.inc()
+        self.decode_pace.num_streams += 1
         try:
             async for last in events:
                 token_ids, logprobs = last.token_ids, last.logprobs
@@ -296,6 +297,7 @@ class Frontend:
             raise
         finally:
             self.metrics.running.dec()
+            self.decode_pace.num_streams -= 1
             await events.aclose()   # an unfinished request is aborted at its workers
             self.dispatcher.abandon(dispatch)   # ... and so is one whose events never began
 

@@ -82,10 +82,14 @@ def test_the_cost_follows_a_slower_load_within_a_few_windows():
 def test_the_decode_pace_is_seconds_over_tokens_and_unknown_once_streams_go_quiet():
     clock = Clock()
     pace = DecodePace(window_s=5.0, clock=clock)
+    pace.num_streams = 2
     pace.add(0.1, MIN_PACED_TOKENS - 1)
     assert pace.seconds_per_token() is None   # too few tokens yet
     pace.add(0.05, 1)                         # a stream's next token 50 ms after its last ...
     pace.add(0.20, 4)                         # ... and one that lagged and caught up with four in one message
     assert pace.seconds_per_token() == pytest.approx(0.35 / (MIN_PACED_TOKENS + 4))
-    clock.now_s += 60.0                       # nothing streamed for a minute: no pace to refuse on
+    pace.num_streams = 0                      # both ended: a new stream would run alone
+    assert pace.seconds_per_token() is None
+    pace.num_streams = 1                      # one still runs, but streamed nothing for a minute
+    clock.now_s += 60.0
     assert pace.seconds_per_token() is None
