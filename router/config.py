@@ -120,8 +120,9 @@ def add_public_api_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=d.max_waiting,
                    help="sub-requests (prompts x n) waiting for their first token before 429")
     p.add_argument("--max-predicted-wait-s", type=float, default=d.max_predicted_wait_s, metavar="S",
-                   help="429 for a request whose first token would come later than S seconds: the prompt tokens "
-                        "waiting for a first token plus its own, over the rate that queue has drained while busy "
+                   help="429 for a request whose first token would come later than S seconds: the requests and "
+                        "prompt tokens waiting for a first token plus its own, at what that queue has cost to "
+                        "drain while busy (per request and per token) "
                         "(set it to your TTFT objective; 0 = no limit, only --max-waiting)")
     p.add_argument("--max-tpot-s", type=float, default=d.max_tpot_s, metavar="S",
                    help="429 while the running streams' recent time per output token is longer than S seconds "
