@@ -168,15 +168,21 @@ def test_api_key_guards_http_and_grpc(loop_thread, tokenizer):
         loop_thread.run(stop_fake_cluster(cluster))
 
 
+def _refused_while_one_waits(loop_thread, cluster, body) -> tuple[httpx.Response, threading.Thread]:
+    """Post ``body`` once in a thread and, once it waits for its first token, again: the second
+    answer, and the thread (join it)."""
+    first = threading.Thread(target=_post, args=(cluster.http, "/v1/completions", body))
+    first.start()
+    loop_thread.run(until(lambda: cluster.router.dispatcher.num_waiting == 1))
+    return _post(cluster.http, "/v1/completions", body), first
+
+
 def test_full_waiting_queue_is_429_with_retry_after(loop_thread, tokenizer):
     cluster = loop_thread.run(start_fake_cluster(tokenizer, max_waiting=1,
                                                  decode_options={"token_interval_s": 1.0}))
     try:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-        first = threading.Thread(target=_post, args=(cluster.http, "/v1/completions", body))
-        first.start()
-        loop_thread.run(until(lambda: cluster.router.dispatcher.num_waiting == 1))
-        response = _post(cluster.http, "/v1/completions", body)
+        response, first = _refused_while_one_waits(loop_thread, cluster, body)
         _assert_error(response, 429, "rate_limit_error", "max_waiting=1")
         page = samples(httpx.get(f"{cluster.http}/metrics").text)
         assert page['tandem_request_refused_total{limit="max_waiting"}'] == 1
@@ -196,10 +202,7 @@ def test_a_request_whose_first_token_would_come_too_late_is_429_and_one_on_an_em
         body = {"model": MODEL, "prompt": "a b c", "max_tokens": 1}
         for _ in range(MIN_DRAINED):   # alone each time: the queue learns its rate
             assert _post(cluster.http, "/v1/completions", body).status_code == 200
-        first = threading.Thread(target=_post, args=(cluster.http, "/v1/completions", body))
-        first.start()
-        loop_thread.run(until(lambda: cluster.router.dispatcher.num_waiting == 1))
-        response = _post(cluster.http, "/v1/completions", body)
+        response, first = _refused_while_one_waits(loop_thread, cluster, body)
         _assert_error(response, 429, "rate_limit_error", "max_predicted_wait_s=0.6")
         assert int(response.headers["retry-after"]) >= 1
         page = samples(httpx.get(f"{cluster.http}/metrics").text)
