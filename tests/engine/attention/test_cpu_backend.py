@@ -417,6 +417,40 @@ def test_block_id_outside_the_cache_is_refused(gen):
                                      torch.tensor([20], dtype=torch.int32), 20, 0.25)
 
 
+def _prefill_kernel(query, k_cache, v_cache, block_tables, starts, seq_lens, scale):
+    """tandem_paged_prefill itself (vdpbf16ps products for bfloat16 on CPUs with AVX512-BF16), not
+    the AMX kernel or SDPA that prefill_attention may pick on an AMX CPU."""
+    return cpu_backend._run(cpu_kernels.load().tandem_paged_prefill, query, k_cache, v_cache, block_tables,
+                            cpu_backend._int32(seq_lens), cpu_backend._int32(starts), scale)
+
+
+@pytest.mark.parametrize("chunks", [[(700, 700)], [(300, 700)], [(5, 70), (64, 64), (63, 129), (1, 65)]],
+                         ids=["fresh_700", "300_over_400", "tile_edges"])
+def test_the_bfloat16_prefill_kernel_is_within_bfloat16s_own_rounding(gen, chunks):
+    """Its key tiles are packed once per call for all work items (an item may stop inside a
+    tile another item reads further: 5 queries over a 70-token context, odd key counts) and its
+    softmax weights come from the short polynomial they are rounded to bfloat16 after: the
+    output, over caches NaN outside every context, stays within 1.5x of the error of rounding
+    the float64 reference itself to bfloat16."""
+    q_lens, seq_lens = (list(x) for x in zip(*chunks))
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    query = (2 * torch.randn(sum(q_lens), 9, 64, generator=gen)).bfloat16()
+    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
+    ref = torch_backend.prefill_attention(query.double(), paged.k_cache.double(), paged.v_cache.double(),
+                                          paged.block_tables, starts, tuple(seq_lens), 0.125)
+    paged.poison(float("nan"))
+    out = _prefill_kernel(query, paged.k_cache, paged.v_cache, paged.block_tables, starts, seq_lens, 0.125)
+    assert rel_err(out, ref) < 1.5 * rel_err(ref.bfloat16(), ref)
+
+
+def test_the_bfloat16_prefill_kernel_refuses_a_block_id_outside_the_cache(gen):
+    paged = make_paged_kv(gen, [40], num_kv_heads=1, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    table = paged.block_tables.clone()
+    table[0, 1] = paged.k_cache.shape[0]
+    with pytest.raises(ValueError, match="block table entry"):
+        _prefill_kernel(torch.randn(40, 1, 64).bfloat16(), paged.k_cache, paged.v_cache, table, (0, 40), (40,), 0.1)
+
+
 def test_context_longer_than_its_block_table_is_refused(gen):
     paged = make_paged_kv(gen, [20], num_kv_heads=1, head_dim=16, block_size=16,
                           extra_table_columns=0)
