@@ -1053,12 +1053,13 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
                     tile_rows(s.v_rows, s.v_buf, kv, 1, table, k0, n, kv_head, 0);
                     tile_scores_transposed(s.scores, s.q, s.kt, rows, d);
                 }
-                for (int r = 0; r < rows; r++) {
-                    /* row r's query sits at context + t0 + r / group and sees keys up to there */
-                    const int32_t last_key = context + t0 + r / group;
+                for (int token = 0, r = 0; r < rows; token++) {
+                    /* rows of query token t0 + token sit at context + t0 + token and see keys up to there */
+                    const int32_t last_key = context + t0 + token;
                     const int visible = last_key - k0 + 1 < n ? last_key - k0 + 1 : n;
-                    s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, visible, n,
-                                              &s.running_max[r], &s.running_sum[r], use_bf16);
+                    for (int h = 0; h < group; h++, r++)
+                        s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, visible, n,
+                                                  &s.running_max[r], &s.running_sum[r], use_bf16);
                 }
 #if HAVE_BF16_DOT
                 if (use_bf16)
