@@ -13,7 +13,9 @@
  * of the pool may hold anything.
  *
  * Both kernels walk a sequence's context in tiles of KEY_TILE tokens with an online softmax:
- * scores for the tile, then one rescale of the running sums, then the tile's values. Decode may
+ * scores for the tile, then one rescale of the running sums, then the tile's values. The vdpbf16ps
+ * prefill packs every tile (keys transposed, values paired) once per call for all its work items;
+ * both vdpbf16ps kernels take the softmax weights they round to bfloat16 from a degree-3 exp2. Decode may
  * cut a long context into partitions (by its length alone) whose partial results are merged by
  * log-sum-exp. Every output row, or partition, is computed by one thread in a fixed order and
  * partitions merge in order, so results do not depend on the number of threads. The hot loops have an AVX-512 version (head_dim a multiple of 16) and a
