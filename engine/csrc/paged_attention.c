@@ -14,8 +14,7 @@
  *
  * Both kernels walk a sequence's context in tiles of KEY_TILE tokens with an online softmax:
  * scores for the tile, then one rescale of the running sums, then the tile's values. The vdpbf16ps
- * prefill packs every tile (keys transposed, values paired) once per call for all its work items;
- * both vdpbf16ps kernels take the softmax weights they round to bfloat16 from a degree-3 exp2. Decode may
+ * prefill packs every tile (keys transposed, values paired) once per call for all its work items. Decode may
  * cut a long context into partitions (by its length alone) whose partial results are merged by
  * log-sum-exp. Every output row, or partition, is computed by one thread in a fixed order and
  * partitions merge in order, so results do not depend on the number of threads. The hot loops have an AVX-512 version (head_dim a multiple of 16) and a
@@ -141,12 +140,9 @@ static inline __m512 exp2_weights_512(__m512 x) {
 
 /* Online softmax over one row's tile of log2-domain scores: turns scores[0..n) into weights
  * relative to the new running max, zeroes scores[n..width) (keys this row may not see) and
- * returns the factor that rescales the row's earlier sum and accumulator. `coarse`: the weights
- * are rounded to bfloat16 next (the vdpbf16ps kernels), so they come from the degree-3 exp2 as on
- * AMX (relative error 7.5e-5 against 2e-7, at half the instructions; the sum uses the same
- * weights). */
+ * returns the factor that rescales the row's earlier sum and accumulator. */
 static float softmax_tile(float *restrict scores, int n, int width, float *running_max,
-                          float *running_sum, int coarse) {
+                          float *running_sum) {
     if (n <= 0) {
         memset(scores, 0, sizeof(float) * width);
         return 1.0f;
@@ -168,13 +164,12 @@ static float softmax_tile(float *restrict scores, int n, int width, float *runni
     for (; j < n; j += 16) {
         const __mmask16 live = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
         const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), vnew_max);
-        const __m512 p = _mm512_maskz_mov_ps(live, coarse ? exp2_weights_512(x) : exp2_softmax_512(x));
+        const __m512 p = _mm512_maskz_mov_ps(live, exp2_softmax_512(x));
         vsum = _mm512_add_ps(vsum, p);
         _mm512_mask_storeu_ps(scores + j, live, p);
     }
     sum = _mm512_reduce_add_ps(vsum);
 #else
-    (void)coarse;
     for (; j < n; j++) {
         scores[j] = exp2_nonpositive(scores[j] - new_max);
         sum += scores[j];
@@ -689,7 +684,7 @@ static void decode_tile_f32(scratch_t *s, const decode_job_t *job, const int32_t
     tile_rows(s->v_rows, s->v_buf, job->kv, 1, table, start, n, kv_head, more_heads);
     tile_dots(s->scores + row0 * KEY_TILE, s->q + (int64_t)row0 * d, s->k_rows, group, n, d);
     for (int r = row0; r < row0 + group; r++)
-        s->alpha[r] = softmax_tile(s->scores + r * KEY_TILE, n, n, &s->running_max[r], &s->running_sum[r], 0);
+        s->alpha[r] = softmax_tile(s->scores + r * KEY_TILE, n, n, &s->running_max[r], &s->running_sum[r]);
     tile_values(s->acc + (int64_t)row0 * d, s->alpha + row0, s->scores + row0 * KEY_TILE, s->v_rows, group, n, d);
 }
 
@@ -706,7 +701,7 @@ static void decode_tile_bf16(scratch_t *s, bf16_scratch_t *b, const decode_job_t
     tile_dots_bf16(s->scores + row0 * KEY_TILE, b->q + (int64_t)row0 * d, job->kv->k, k_offsets, group, n, d,
                    job->scale * LOG2E);
     for (int r = row0; r < row0 + group; r++)
-        s->alpha[r] = softmax_tile(s->scores + r * KEY_TILE, n, n, &s->running_max[r], &s->running_sum[r], 1);
+        s->alpha[r] = softmax_tile(s->scores + r * KEY_TILE, n, n, &s->running_max[r], &s->running_sum[r]);
     pair_values_bf16(b->vp, job->kv->v, v_offsets, n, d);
     tile_values_bf16(s->acc + (int64_t)row0 * d, s->alpha + row0, s->scores + row0 * KEY_TILE, b->p, b->vp,
                      group, n, d);
@@ -1061,7 +1056,7 @@ int tandem_paged_prefill(const queries_t *qs, const kv_cache_t *kv, const seqs_t
                     const int visible = last_key - k0 + 1 < n ? last_key - k0 + 1 : n;
                     for (int h = 0; h < group; h++, r++)
                         s.alpha[r] = softmax_tile(s.scores + r * KEY_TILE, visible, n,
-                                                  &s.running_max[r], &s.running_sum[r], use_bf16);
+                                                  &s.running_max[r], &s.running_sum[r]);
                 }
 #if HAVE_BF16_DOT
                 if (use_bf16)

@@ -428,8 +428,7 @@ def _prefill_kernel(query, k_cache, v_cache, block_tables, starts, seq_lens, sca
                          ids=["fresh_700", "300_over_400", "tile_edges"])
 def test_the_bfloat16_prefill_kernel_is_within_bfloat16s_own_rounding(gen, chunks):
     """Its key tiles are packed once per call for all work items (an item may stop inside a
-    tile another item reads further: 5 queries over a 70-token context, odd key counts) and its
-    softmax weights come from the short polynomial they are rounded to bfloat16 after: the
+    tile another item reads further: 5 queries over a 70-token context, odd key counts): the
     output, over caches NaN outside every context, stays within 1.5x of the error of rounding
     the float64 reference itself to bfloat16."""
     q_lens, seq_lens = (list(x) for x in zip(*chunks))
