@@ -476,28 +476,25 @@ static void reset_rows(scratch_t *s, int rows, int d) {
 
 #if HAVE_AVX512 && defined(__AVX512BF16__)
 #define HAVE_BF16_DOT 1
-/* A bfloat16 item's buffers: queries, the K tile as dimension pairs (prefill), the V tile as key
- * pairs, the softmax weights in bfloat16. */
+/* A bfloat16 item's buffers: queries, the V tile as key pairs (decode; prefill packs its tiles
+ * once per call), the softmax weights in bfloat16. */
 typedef struct {
     uint16_t *q;   /* [rows][d] */
-    uint32_t *kt;  /* [d / 2][KEY_TILE]: element (p, j) = dims 2p, 2p + 1 of key j */
     uint16_t *vp;  /* [KEY_TILE / 2][d][2]: key pair m, dim i = (v[2m][i], v[2m + 1][i]) */
     uint16_t *p;   /* [rows][KEY_TILE] */
 } bf16_scratch_t;
 
 static int bf16_scratch_alloc(bf16_scratch_t *b, int max_rows, int d) {
     b->q = alloc_bytes(sizeof(uint16_t) * max_rows * d);
-    b->kt = alloc_bytes(sizeof(uint32_t) * (d / 2) * KEY_TILE);
     b->vp = alloc_bytes(sizeof(uint16_t) * KEY_TILE * d);
     b->p = alloc_bytes(sizeof(uint16_t) * max_rows * KEY_TILE);
-    if (!(b->q && b->kt && b->vp && b->p)) return 0;
-    /* columns and key pairs past a short last tile are multiplied by zero weights: keep them finite */
-    memset(b->kt, 0, sizeof(uint32_t) * (d / 2) * KEY_TILE);
+    if (!(b->q && b->vp && b->p)) return 0;
+    /* key pairs past a short last tile are multiplied by zero weights: keep them finite */
     memset(b->vp, 0, sizeof(uint16_t) * KEY_TILE * d);
     return 1;
 }
 
-static void bf16_scratch_free(bf16_scratch_t *b) { free(b->q); free(b->kt); free(b->vp); free(b->p); }
+static void bf16_scratch_free(bf16_scratch_t *b) { free(b->q); free(b->vp); free(b->p); }
 
 /* scores[r * KEY_TILE + j] = scale * q_r . k_j over the transposed tile, `rows` rows: each
  * vdpbf16ps multiplies 16 keys by a pair of query dimensions, summing in float32. */

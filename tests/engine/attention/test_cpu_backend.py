@@ -370,6 +370,20 @@ def test_the_amx_prefill_kernel_gives_the_same_results_on_one_and_two_threads(ge
     assert torch.equal(one, _amx_kernel(*args))
 
 
+def _bfloat16_prefill_case(gen, chunks, kernel, poison=False):
+    """``kernel``'s output and the float64 reference on SmolLM2's heads (9 over 3 KV heads, 64
+    dims), queries at twice the unit scale; ``poison``: the caches NaN outside every context."""
+    q_lens, seq_lens = (list(x) for x in zip(*chunks))
+    paged = make_paged_kv(gen, seq_lens, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    query = (2 * torch.randn(sum(q_lens), 9, 64, generator=gen)).bfloat16()
+    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
+    ref = torch_backend.prefill_attention(query.double(), paged.k_cache.double(), paged.v_cache.double(),
+                                          paged.block_tables, starts, tuple(seq_lens), 0.125)
+    if poison:
+        paged.poison(float("nan"))
+    return kernel(query, paged.k_cache, paged.v_cache, paged.block_tables, starts, seq_lens, 0.125), ref
+
+
 @amx_prefill
 @pytest.mark.parametrize("chunks", [[(700, 700)], [(300, 700)]], ids=["fresh_700", "300_over_400"])
 def test_the_amx_prefill_kernel_is_within_bfloat16s_own_rounding(gen, chunks):
@@ -377,13 +391,7 @@ def test_the_amx_prefill_kernel_is_within_bfloat16s_own_rounding(gen, chunks):
     it next): the output must stay within 1.5x of the error of rounding the float64 reference
     itself to bfloat16 (1.3x measured; the polynomial with its linear term off by 2% gives 2.2x,
     inside the general bfloat16 tolerance)."""
-    q_lens, seq_lens = (list(x) for x in zip(*chunks))
-    paged = make_paged_kv(gen, seq_lens, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    query = (2 * torch.randn(sum(q_lens), 9, 64, generator=gen)).bfloat16()
-    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
-    ref = torch_backend.prefill_attention(query.double(), paged.k_cache.double(), paged.v_cache.double(),
-                                          paged.block_tables, starts, tuple(seq_lens), 0.125)
-    out = _amx_kernel(query, paged.k_cache, paged.v_cache, paged.block_tables, starts, seq_lens, 0.125)
+    out, ref = _bfloat16_prefill_case(gen, chunks, _amx_kernel)
     assert rel_err(out, ref) < 1.5 * rel_err(ref.bfloat16(), ref)
 
 
@@ -431,14 +439,7 @@ def test_the_bfloat16_prefill_kernel_is_within_bfloat16s_own_rounding(gen, chunk
     tile another item reads further: 5 queries over a 70-token context, odd key counts): the
     output, over caches NaN outside every context, stays within 1.5x of the error of rounding
     the float64 reference itself to bfloat16."""
-    q_lens, seq_lens = (list(x) for x in zip(*chunks))
-    paged = make_paged_kv(gen, seq_lens, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16)
-    query = (2 * torch.randn(sum(q_lens), 9, 64, generator=gen)).bfloat16()
-    starts = (0, *torch.tensor(q_lens).cumsum(0).tolist())
-    ref = torch_backend.prefill_attention(query.double(), paged.k_cache.double(), paged.v_cache.double(),
-                                          paged.block_tables, starts, tuple(seq_lens), 0.125)
-    paged.poison(float("nan"))
-    out = _prefill_kernel(query, paged.k_cache, paged.v_cache, paged.block_tables, starts, seq_lens, 0.125)
+    out, ref = _bfloat16_prefill_case(gen, chunks, _prefill_kernel, poison=True)
     assert rel_err(out, ref) < 1.5 * rel_err(ref.bfloat16(), ref)
 
 
