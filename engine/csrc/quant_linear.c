@@ -54,7 +54,7 @@
 #define HAVE_DPBF16 0
 #endif
 
-#define ABI_VERSION 4
+#define ABI_VERSION 5
 /* GGML type ids (gguf.GGMLQuantizationType). */
 enum { QTYPE_Q4_0 = 2, QTYPE_Q4_1 = 3, QTYPE_Q8_0 = 8, QTYPE_Q4_K = 12, QTYPE_Q6_K = 14, QTYPE_BF16 = 30 };
 enum { OK = 0, ERR_NO_MEMORY = 1, ERR_BAD_SHAPE = 2, ERR_BAD_QTYPE = 3, ERR_UNSUPPORTED = 4 };
@@ -81,6 +81,18 @@ static int64_t block_bytes(int32_t qtype) {
 
 static int64_t block_weights(int32_t qtype) {
     return qtype == QTYPE_Q4_K || qtype == QTYPE_Q6_K ? QK_K : QK;
+}
+
+/* The interleaved layout's rows per group, and each record's header bytes (see x16_group). */
+#define X16_ROWS 16
+#define X16_HEADER 64
+
+static int64_t x16_record_bytes(int32_t qtype) {
+    switch (qtype) {
+        case QTYPE_Q4_0: case QTYPE_Q4_1: return X16_HEADER + 256;
+        case QTYPE_Q8_0: return X16_HEADER + 512;
+        default: return 0;
+    }
 }
 
 /* OK, or why these sizes cannot be a product of x and `qtype` rows: what the C side trusts. */
@@ -355,6 +367,149 @@ static int tiled_linear(const void *x, int64_t x_stride, int64_t M, int64_t K, c
     return failed ? ERR_NO_MEMORY : OK;
 }
 
+
+#if HAVE_DPBF16
+/* The interleaved layout for vdpbf16ps (tandem_qlinear_x16_pack, tandem_qlinear_x16): weight rows
+ * in groups of 16, each group's K as records of 32 k (one GGUF block per row):
+ *   bytes 0-31   d of the 16 rows' blocks (float16), 32-63 their m (float16; Q4_1 only, else 0);
+ *   then the payload, words of 32 quants: word element 2r + e is row r's weight at k = 2p + e of
+ *   the record's k-pair p, so one vdpbf16ps against a broadcast x pair gives 16 rows' sums.
+ *   Q4_0 / Q4_1: 8 chunks of 32 bytes; byte j of chunk t holds element j of k-pair 2t in its low
+ *   nibble and of k-pair 2t + 1 in its high one. Q8_0: 16 chunks of 32 int8, one per k-pair.
+ * The quants enter the products as bfloat16 integers and the scales are applied per block in
+ * float32: a 4-bit q becomes bfloat16 128 + q by OR-ing its bits into 0x4300 (exact: 128..143
+ * need 8 significant bits), so sum_k x (d q + m) = d sum_k x (128 + q) + (m - 128 d) sum_k x; an
+ * int8 q converts exactly. The products are those of the GGUF values themselves (not of their
+ * bfloat16 roundings, as the dense weights and tiled_linear hold), summed in float32. */
+#define X16_MB 8   /* x rows per pass: 8 running sums + up to 8 block sums in registers */
+
+static inline __m512i bcast_pair(const uint16_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* out[m, n0 .. n0 + 15] (the lanes in `keep`) for the mb (<= X16_MB) x rows at x, from one group's
+ * records. sums[i * nblocks + b] = sum of x row i over block b (4-bit types). Constant mb at each
+ * call site lets gcc keep the sums in registers; short batches split the block's k-pairs over
+ * more chains, so the dependent vdpbf16ps of one row do not wait on each other. */
+static inline __attribute__((always_inline)) void x16_group(
+        const uint8_t *restrict group, int64_t nblocks, int32_t qtype, const uint16_t *restrict x, int64_t x_stride,
+        int mb, const float *restrict sums, uint16_t *restrict out, int64_t out_stride, __mmask16 keep) {
+    enum { CHAINS = 4 };
+    const int nchain = mb <= 2 ? 4 : mb <= 4 ? 2 : 1;
+    const int64_t rec = x16_record_bytes(qtype);
+    const __m512i low4 = _mm512_set1_epi16(0x000F), bias_bits = _mm512_set1_epi16(0x4300);
+    const __m512 bias = _mm512_set1_ps(qtype == QTYPE_Q4_0 ? -136.0f : -128.0f);
+    __m512 acc[X16_MB];
+    for (int i = 0; i < mb; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *r = group + b * rec;
+        const uint16_t *xb = x + b * 32;
+        __m512 part[CHAINS][X16_MB];
+        for (int c = 0; c < nchain; c++)
+            for (int i = 0; i < mb; i++) part[c][i] = _mm512_setzero_ps();
+        if (qtype == QTYPE_Q8_0) {
+            for (int t = 0; t < 16; t++) {
+                const uint8_t *p = r + X16_HEADER + 32 * t;
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+                const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+                const int c = t % nchain;
+                for (int i = 0; i < mb; i++)
+                    part[c][i] = _mm512_dpbf16_ps(part[c][i], (__m512bh)bcast_pair(xb + i * x_stride + 2 * t), w);
+            }
+        } else {
+            for (int t = 0; t < 8; t++) {
+                const __m512i q = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(r + X16_HEADER + 32 * t)));
+                /* (q & 0x0F) | 0x4300, and (q >> 4) | 0x4300: bfloat16 128 + nibble */
+                const __m512bh wa = (__m512bh)_mm512_ternarylogic_epi32(q, low4, bias_bits, 0xEA);
+                const __m512bh wb = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(q, 4), bias_bits);
+                const int ca = (2 * t) % nchain, cb = (2 * t + 1) % nchain;
+                for (int i = 0; i < mb; i++)
+                    part[ca][i] = _mm512_dpbf16_ps(part[ca][i], (__m512bh)bcast_pair(xb + i * x_stride + 4 * t), wa);
+                for (int i = 0; i < mb; i++)
+                    part[cb][i] = _mm512_dpbf16_ps(part[cb][i], (__m512bh)bcast_pair(xb + i * x_stride + 4 * t + 2), wb);
+            }
+        }
+        for (int c = 1; c < nchain; c++)
+            for (int i = 0; i < mb; i++) part[0][i] = _mm512_add_ps(part[0][i], part[c][i]);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)r));
+        if (qtype == QTYPE_Q8_0) {
+            for (int i = 0; i < mb; i++) acc[i] = _mm512_fmadd_ps(d, part[0][i], acc[i]);
+        } else {
+            /* Q4_1: m - 128 d; Q4_0 (m stored as 0): -136 d, its d (q - 8) as d (128 + q) - 136 d */
+            const __m512 shift = _mm512_fmadd_ps(bias, d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + 32))));
+            for (int i = 0; i < mb; i++) {
+                acc[i] = _mm512_fmadd_ps(d, part[0][i], acc[i]);
+                acc[i] = _mm512_fmadd_ps(shift, _mm512_set1_ps(sums[i * nblocks + b]), acc[i]);
+            }
+        }
+    }
+    for (int i = 0; i < mb; i++)
+        _mm256_mask_storeu_epi16((void *)(out + i * out_stride), keep, (__m256i)_mm512_cvtneps_pbh(acc[i]));
+}
+
+#define X16_CASE(MBC)                                                                                  \
+    case MBC:                                                                                          \
+        x16_group(group, nblocks, qtype, x, x_stride, MBC, sums, out, out_stride, keep);               \
+        break;
+
+static void x16_rows(const uint8_t *group, int64_t nblocks, int32_t qtype, const uint16_t *x, int64_t x_stride,
+                     int mb, const float *sums, uint16_t *out, int64_t out_stride, __mmask16 keep) {
+    switch (mb) {
+        X16_CASE(1) X16_CASE(2) X16_CASE(3) X16_CASE(4) X16_CASE(5) X16_CASE(6) X16_CASE(7) X16_CASE(8)
+        default: break;
+    }
+}
+
+/* sums[m * nblocks + b] = the float32 sum of x row m over k in block b, left to right. */
+static const float *block_sums(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K) {
+    static __thread float *buffer = NULL;
+    static __thread int64_t capacity = 0;
+    const int64_t nblocks = K / 32, need = M * nblocks;
+    if (need > capacity) {
+        free(buffer);
+        buffer = malloc((size_t)need * sizeof(float) + 64);
+        capacity = buffer == NULL ? 0 : need;
+        if (buffer == NULL) return NULL;
+    }
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < nblocks; b++) {
+            float s = 0.0f;
+            for (int k = 0; k < 32; k++) s += bf16_to_f32(x[m * x_stride + b * 32 + k]);
+            buffer[m * nblocks + b] = s;
+        }
+    return buffer;
+}
+
+static int x16_linear(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                      int32_t qtype, uint16_t *out, int64_t out_stride, int32_t nthreads) {
+    if (M == 0 || N == 0) return OK;
+    const int64_t nblocks = K / 32, ngroups = (N + X16_ROWS - 1) / X16_ROWS;
+    const int64_t group_bytes = nblocks * x16_record_bytes(qtype);
+    const float *sums = NULL;
+    if (qtype != QTYPE_Q8_0 && (sums = block_sums(x, x_stride, M, K)) == NULL) return ERR_NO_MEMORY;
+    if (nthreads < 1) nthreads = 1;
+    if (nthreads > ngroups) nthreads = (int32_t)ngroups;
+#pragma omp parallel num_threads(nthreads)
+    {
+        const int64_t nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = ngroups * tid / nth, last = ngroups * (tid + 1) / nth;
+        for (int64_t g = first; g < last; g++) {
+            const int64_t n0 = g * X16_ROWS, nt = N - n0 < X16_ROWS ? N - n0 : X16_ROWS;
+            const __mmask16 keep = (__mmask16)((1u << nt) - 1u);
+            for (int64_t m0 = 0; m0 < M; m0 += X16_MB) {
+                const int mb = (int)(M - m0 < X16_MB ? M - m0 : X16_MB);
+                x16_rows(w + g * group_bytes, nblocks, qtype, x + m0 * x_stride, x_stride, mb,
+                         sums == NULL ? NULL : sums + m0 * nblocks, out + m0 * out_stride + n0, out_stride, keep);
+            }
+        }
+    }
+    return OK;
+}
+#endif /* HAVE_DPBF16 */
+
 #endif /* HAVE_AVX512 */
 
 int tandem_qlinear(const float *x, int64_t x_stride, int64_t M, int64_t K,
@@ -559,5 +714,64 @@ int tandem_linear_bf16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K
     return ERR_UNSUPPORTED;
 #else
     return amx_linear(x, x_stride, M, K, (const uint8_t *)w, w_stride * 2, N, QTYPE_BF16, out, out_stride, nthreads);
+#endif
+}
+
+/* Bytes of the interleaved copy of N rows of K `qtype` weights (tandem_qlinear_x16_pack), or -1
+ * for a type or width it does not hold. */
+int64_t tandem_qlinear_x16_bytes(int64_t N, int64_t K, int32_t qtype) {
+    const int64_t rec = x16_record_bytes(qtype);
+    if (rec == 0 || N < 0 || K <= 0 || K % QK) return -1;
+    return (N + X16_ROWS - 1) / X16_ROWS * (K / QK) * rec;
+}
+
+/* 1 where tandem_qlinear_x16 runs: AVX512-BF16. */
+int tandem_qlinear_x16_supported(void) { return HAVE_DPBF16; }
+
+/* The GGUF rows at w (N rows of w_row_bytes, Q4_0 / Q4_1 / Q8_0) rewritten into dst
+ * (tandem_qlinear_x16_bytes of them) in the interleaved layout x16_group reads; rows past N, in
+ * the last group, are zero (d = 0). Plain C: run once, at load. */
+int tandem_qlinear_x16_pack(const uint8_t *w, int64_t w_row_bytes, int64_t N, int64_t K, int32_t qtype,
+                            uint8_t *dst) {
+    const int64_t rec_bytes = x16_record_bytes(qtype);
+    if (rec_bytes == 0) return ERR_BAD_QTYPE;
+    const int status = check_shape(K, 0, K, w_row_bytes, N, qtype, N);
+    if (status != OK) return status;
+    const int64_t nblocks = K / QK, ngroups = (N + X16_ROWS - 1) / X16_ROWS, bb = block_bytes(qtype);
+    memset(dst, 0, (size_t)(ngroups * nblocks * rec_bytes));
+    for (int64_t g = 0; g < ngroups; g++) {
+        for (int64_t b = 0; b < nblocks; b++) {
+            uint8_t *rec = dst + (g * nblocks + b) * rec_bytes;
+            for (int r = 0; r < X16_ROWS && g * X16_ROWS + r < N; r++) {
+                const uint8_t *blk = w + (g * X16_ROWS + r) * w_row_bytes + b * bb;
+                memcpy(rec + 2 * r, blk, 2);                                  /* d */
+                if (qtype == QTYPE_Q4_1) memcpy(rec + 32 + 2 * r, blk + 2, 2);  /* m */
+                for (int k = 0; k < QK; k++) {
+                    const int p = k / 2, j = 2 * r + k % 2;   /* k-pair, element of its word */
+                    if (qtype == QTYPE_Q8_0) {
+                        rec[X16_HEADER + 32 * p + j] = blk[2 + k];
+                    } else {
+                        const uint8_t *qs = blk + (qtype == QTYPE_Q4_1 ? 4 : 2);
+                        const int q = k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4;
+                        rec[X16_HEADER + 32 * (p / 2) + j] |= (uint8_t)(q << (4 * (p % 2)));
+                    }
+                }
+            }
+        }
+    }
+    return OK;
+}
+
+/* out = bf16(x @ W^T) from the interleaved copy at w (tandem_qlinear_x16_pack), x bfloat16 (M rows
+ * of K, row stride x_stride), on CPUs with AVX512-BF16. */
+int tandem_qlinear_x16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                       int32_t qtype, uint16_t *out, int64_t out_stride, int32_t nthreads) {
+    if (x16_record_bytes(qtype) == 0) return ERR_BAD_QTYPE;
+    if (M < 0 || N < 0 || K <= 0 || K % QK || x_stride < K || out_stride < N) return ERR_BAD_SHAPE;
+#if HAVE_DPBF16
+    return x16_linear(x, x_stride, M, K, w, N, qtype, out, out_stride, nthreads);
+#else
+    (void)x; (void)w; (void)out; (void)nthreads;
+    return ERR_UNSUPPORTED;
 #endif
 }

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from engine.attention.metadata import AttentionMetadata
-from engine.models import cpu_ops
+from engine.models import cpu_ops, quant_linear
 from engine.models.arch import ArchConfig
 from engine.models.layers import (
     GatedMLP,
@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
                 return
             quant = QuantizedWeight.concat([p for p in parts if p is not None])
             if quant is not None and (quant.rows, quant.in_features) == (linear.out_features, linear.in_features):
-                linear.quant = quant
+                linear.quant = quant_linear.interleaved_for(quant, linear.dtype)
                 attached.append(linear)
 
         for i, layer in enumerate(self.layers):

@@ -164,7 +164,7 @@ def test_bad_blocks_are_refused():
     assert QuantizedWeight.concat([q8, q4]) is None
     assert QuantizedWeight.concat([q8, q8]).rows == 4
     # The C side checks what it trusts: a row width that disagrees with K is an error, not a read.
-    lying = QuantizedWeight(q8.qtype, q8.data, 96)
+    lying = QuantizedWeight(q8.qtype, q8.data, 96, q8.rows)
     with pytest.raises(ValueError, match="bad shape"):
         quant_linear.linear(torch.ones(1, 96), lying)
 
@@ -241,8 +241,10 @@ def test_smollm2_decodes_the_same_from_blocks(smollm2_checkpoint):
 
 
 def test_smollm2_bfloat16_decodes_the_same_from_blocks(smollm2_checkpoint):
-    """bfloat16 (the AMX kernel where the CPU has AMX): the blocks give the weights the dense
-    bfloat16 model holds, so only the order of float32 sums differs; greedy text stays the same."""
+    """bfloat16: the AMX kernel (where the CPU has AMX) multiplies the weights the dense bfloat16
+    model holds, so only the order of float32 sums differs; the interleaved vdpbf16ps kernel
+    (AVX512-BF16 without AMX) the GGUF values themselves, closer to the checkpoint than the dense
+    weights' bfloat16 roundings. Either way the greedy text stays the same."""
     from engine.llm import LLM
 
     llm = LLM(SMOLLM2, dtype="bfloat16", device="cpu", max_model_len=512, num_gpu_blocks_override=80,
@@ -250,13 +252,89 @@ def test_smollm2_bfloat16_decodes_the_same_from_blocks(smollm2_checkpoint):
     try:
         model = llm.engine.runner.model
         linears = model.attach_quantized(smollm2_checkpoint.quantized_weights())
-        for lin in (model.layers[0].self_attn.qkv_proj, model.layers[7].mlp.down_proj, model.packed_head):
-            x = torch.randn(5, lin.in_features).bfloat16()
-            torch.testing.assert_close(lin.quantized_forward(x).float(), lin.dense_forward(x).float(),
-                                       rtol=2 ** -7, atol=1e-2)
+        kernel = quant_linear.load()
+        assert all(lin.quant.interleaved == kernel.x16 for lin in linears)
+        exact = {name: w for name, w in smollm2_checkpoint.weights()
+                 if name in ("layers.7.mlp.down_proj.weight", "embed_tokens.weight")}
+        for lin, name in ((model.layers[7].mlp.down_proj, "layers.7.mlp.down_proj.weight"),
+                          (model.packed_head, "embed_tokens.weight")):
+            x = torch.randn(5, lin.in_features, generator=torch.Generator().manual_seed(7)).bfloat16()
+            got = lin.quantized_forward(x)
+            if lin.quant.interleaved:
+                ref = x.double() @ exact[name].double().T
+                scale = x.double().abs() @ exact[name].double().abs().T
+                error = (got.double() - ref).abs()
+                assert bool((error <= 2.0 ** -8 * ref.abs() + 1e-5 * scale + 1e-12).all()), name
+                assert error.max() < (lin.dense_forward(x).double() - ref).abs().max(), name
+            else:
+                torch.testing.assert_close(got.float(), lin.dense_forward(x).float(), rtol=2 ** -7, atol=1e-2)
         _assert_greedy_same_from_blocks(llm, linears)
     finally:
         llm.close()
+
+
+x16_only = pytest.mark.skipif(quant_linear.load() is None or not quant_linear.load().x16,
+                              reason="the interleaved kernel runs on CPUs with AVX512-BF16 and no usable AMX")
+
+
+@x16_only
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17])
+def test_interleaved_matches_float64_of_the_gguf_values(qtype, rows):
+    """The interleaved kernel multiplies the GGUF values themselves (d q + m in float32), not their
+    bfloat16 roundings: within one rounding of the result plus float32 sums' order of the float64
+    product, where the bfloat16 weights miss by 2^-9 of each product. 37 output features leave a
+    partial group of 16; rows cover the 1-8 of one pass (1, 2 and 4 chains) and more than one
+    pass; x has a row stride wider than K."""
+    weight, dense = _weight(qtype, 37, 96, seed=rows)
+    packed = quant_linear.interleaved_for(weight, torch.bfloat16)
+    assert packed.interleaved and packed.rows == 37 and packed.in_features == 96
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)).bfloat16()[:, 16:112]
+    got = quant_linear.linear(x, packed)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 37)
+    ref = x.double() @ dense.double().T
+    scale = x.double().abs() @ dense.double().abs().T
+    error = (got.double() - ref).abs()
+    assert bool((error <= 2.0 ** -8 * ref.abs() + 1e-5 * scale + 1e-12).all()), f"max error {error.max():.3g}"
+    bias = torch.randn(37).bfloat16()
+    assert torch.equal(quant_linear.linear(x, packed, bias), got + bias)
+
+
+@x16_only
+def test_interleaved_blocks_of_a_smollm2_size_and_threads():
+    """A SmolLM2-sized gate/up weight (3,072 x 576) at a decode batch: the same numbers on one
+    thread as on two (each group of 16 rows is one thread's fixed-order sums)."""
+    weight, dense = _weight(GGMLQuantizationType.Q4_1, 3072, 576, seed=3)
+    packed = quant_linear.interleaved_for(weight, torch.bfloat16)
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = quant_linear.linear(x, packed)
+        torch.set_num_threads(2)
+        two = quant_linear.linear(x, packed)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(one, two)
+    ref = x.double() @ dense.double().T
+    assert (two.double() - ref).abs().max() <= 2.0 ** -8 * ref.abs().max()
+
+
+@x16_only
+def test_interleaving_keeps_what_it_cannot_hold_and_refuses_float32():
+    q4_k, _ = _k_quant_weight(GGMLQuantizationType.Q4_K, 16, 256)
+    assert quant_linear.interleaved_for(q4_k, torch.bfloat16) is q4_k         # K-quants: the tiled kernel
+    q8, _ = _weight(GGMLQuantizationType.Q8_0, 16, 64)
+    assert quant_linear.interleaved_for(q8, torch.float32) is q8              # float32 models: the tiled kernel
+    packed = quant_linear.interleaved_for(q8, torch.bfloat16)
+    assert packed is not q8 and quant_linear.interleaved_for(packed, torch.bfloat16) is packed
+    with pytest.raises(ValueError, match="bfloat16 inputs"):
+        quant_linear.linear(torch.ones(1, 64), packed)
+    with pytest.raises(AssertionError, match="then interleave"):
+        QuantizedWeight.concat([packed, packed])
+    with pytest.raises(ValueError, match="bad shape"):   # a width that disagrees with K is an error, not a read
+        quant_linear.linear(torch.ones(1, 48, dtype=torch.bfloat16),
+                            QuantizedWeight(packed.qtype, packed.data, 48, packed.rows, interleaved=True))
 
 
 def test_types_table_matches_gguf():
