@@ -770,12 +770,16 @@ int tandem_qlinear_x16_pack(const uint8_t *w, int64_t w_row_bytes, int64_t N, in
     return OK;
 }
 
-/* out = bf16(x @ W^T) from the interleaved copy at w (tandem_qlinear_x16_pack), x bfloat16 (M rows
- * of K, row stride x_stride), on CPUs with AVX512-BF16. */
-int tandem_qlinear_x16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                       int32_t qtype, uint16_t *out, int64_t out_stride, int32_t nthreads) {
+/* out = bf16(x @ W^T) from the interleaved copy at w (tandem_qlinear_x16_pack; w_bytes long, which
+ * must be what N rows of K take), x bfloat16 (M rows of K, row stride x_stride), on CPUs with
+ * AVX512-BF16. */
+int tandem_qlinear_x16(const uint16_t *x, int64_t x_stride, int64_t M, int64_t K, const uint8_t *w,
+                       int64_t w_bytes, int64_t N, int32_t qtype, uint16_t *out, int64_t out_stride,
+                       int32_t nthreads) {
     if (x16_record_bytes(qtype) == 0) return ERR_BAD_QTYPE;
-    if (M < 0 || N < 0 || K <= 0 || K % QK || x_stride < K || out_stride < N) return ERR_BAD_SHAPE;
+    if (M < 0 || N < 0 || K <= 0 || K % QK || x_stride < K || out_stride < N
+        || w_bytes != tandem_qlinear_x16_bytes(N, K, qtype))
+        return ERR_BAD_SHAPE;
 #if HAVE_DPBF16
     return x16_linear(x, x_stride, M, K, w, N, qtype, out, out_stride, nthreads);
 #else

@@ -120,7 +120,7 @@ class _Kernel:
         # AVX512-BF16 where the AMX kernel does not run.
         self.x16 = bool(lib.tandem_qlinear_x16_supported()) and not self.amx
         self._fn_x16 = lib.tandem_qlinear_x16
-        self._fn_x16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i32, _ptr, _i64, _i32]
+        self._fn_x16.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _i32, _ptr, _i64, _i32]
         self._fn_x16.restype = ctypes.c_int
         self._x16_bytes = lib.tandem_qlinear_x16_bytes
         self._x16_bytes.argtypes = [_i64, _i64, _i32]
@@ -157,7 +157,8 @@ class _Kernel:
                 raise ValueError(f"interleaved {weight.name} blocks take bfloat16 inputs on a CPU with "
                                  f"AVX512-BF16, not {dtype}")
             return self._run("interleaved quantized linear kernel", self._fn_x16, x, weight.rows,
-                             (weight.in_features, weight.data.data_ptr(), weight.rows, weight.qtype), bias,
+                             (weight.in_features, weight.data.data_ptr(), weight.data.numel(), weight.rows,
+                              weight.qtype), bias,
                              torch.bfloat16)
         blocks = (weight.in_features, weight.data.data_ptr(), weight.data.shape[1], weight.rows, weight.qtype)
         if dtype == torch.bfloat16 and self.bf16:

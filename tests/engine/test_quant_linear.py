@@ -333,9 +333,12 @@ def test_interleaving_keeps_what_it_cannot_hold_and_refuses_float32():
         quant_linear.linear(torch.ones(1, 64), packed)
     with pytest.raises(AssertionError, match="then interleave"):
         QuantizedWeight.concat([packed, packed])
-    with pytest.raises(ValueError, match="bad shape"):   # a width that disagrees with K is an error, not a read
-        quant_linear.linear(torch.ones(1, 48, dtype=torch.bfloat16),
-                            QuantizedWeight(packed.qtype, packed.data, 48, packed.rows, interleaved=True))
+    # The C side checks what it trusts: a width or row count that disagrees with the bytes is an
+    # error, not a read past them.
+    for width, rows in ((48, packed.rows), (96, packed.rows), (64, packed.rows + 16)):
+        with pytest.raises(ValueError, match="bad shape"):
+            quant_linear.linear(torch.ones(1, width, dtype=torch.bfloat16),
+                                QuantizedWeight(packed.qtype, packed.data, width, rows, interleaved=True))
 
 
 def test_types_table_matches_gguf():
