@@ -273,7 +273,7 @@ class LlamaForCausalLM(nn.Module):
                 return
             quant = QuantizedWeight.concat([p for p in parts if p is not None])
             if quant is not None and (quant.rows, quant.in_features) == (linear.out_features, linear.in_features):
-                linear.quant = quant_linear.interleaved_for(quant, linear.dtype)
+                linear.quant = quant_linear.interleaved_for(quant, linear.packed.dtype)
                 attached.append(linear)
 
         for i, layer in enumerate(self.layers):

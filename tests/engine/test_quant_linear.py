@@ -138,17 +138,21 @@ def test_bfloat16_kernel_is_the_amx_one_where_the_cpu_has_amx():
     assert kernel.bf16 == cpu_has_native_bf16()
 
 
-def test_bfloat16_results_do_not_depend_on_threads():
-    weight, _ = _weight(GGMLQuantizationType.Q4_1, 200, 576, seed=4)
-    x = torch.randn(33, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+def _on_one_and_two_threads(x: torch.Tensor, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = quant_linear.linear(x, weight)
         torch.set_num_threads(2)
-        two = quant_linear.linear(x, weight)
+        return one, quant_linear.linear(x, weight)
     finally:
         torch.set_num_threads(previous)
+
+
+def test_bfloat16_results_do_not_depend_on_threads():
+    weight, _ = _weight(GGMLQuantizationType.Q4_1, 200, 576, seed=4)
+    x = torch.randn(33, 576, generator=torch.Generator().manual_seed(4)).bfloat16()
+    one, two = _on_one_and_two_threads(x, weight)
     assert torch.equal(one, two)
 
 
@@ -308,14 +312,7 @@ def test_interleaved_blocks_of_a_smollm2_size_and_threads():
     weight, dense = _weight(GGMLQuantizationType.Q4_1, 3072, 576, seed=3)
     packed = quant_linear.interleaved_for(weight, torch.bfloat16)
     x = torch.randn(8, 576, generator=torch.Generator().manual_seed(3)).bfloat16()
-    previous = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = quant_linear.linear(x, packed)
-        torch.set_num_threads(2)
-        two = quant_linear.linear(x, packed)
-    finally:
-        torch.set_num_threads(previous)
+    one, two = _on_one_and_two_threads(x, packed)
     assert torch.equal(one, two)
     ref = x.double() @ dense.double().T
     assert (two.double() - ref).abs().max() <= 2.0 ** -8 * ref.abs().max()
